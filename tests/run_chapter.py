@@ -1,0 +1,66 @@
+"""Execute one chapter the way the book build does and report where the time goes.
+
+    .venv/bin/python tests/run_chapter.py chapters/03-scaling.md [--cells]
+
+Runs the MyST notebook with its working directory set to chapters/ (as myst-nb does), prints
+the total execution time and, with --cells, the slowest cells. Exits non-zero if a cell raises
+or writes to stderr, which the book build would also refuse.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+import time
+
+import jupytext
+import nbclient
+
+
+def execute(path: pathlib.Path, timeout: int = 120):
+    """Execute the notebook at ``path``; return (notebook, seconds, per-cell seconds)."""
+    nb = jupytext.read(path)
+    client = nbclient.NotebookClient(
+        nb, timeout=timeout, kernel_name="python3",
+        resources={"metadata": {"path": str(path.parent)}},
+    )
+    cell_seconds = []
+    start = time.perf_counter()
+    with client.setup_kernel():
+        for index, cell in enumerate(nb.cells):
+            t0 = time.perf_counter()
+            client.execute_cell(cell, index)
+            cell_seconds.append((time.perf_counter() - t0, index))
+    return nb, time.perf_counter() - start, cell_seconds
+
+
+def stderr_outputs(nb):
+    """The text of every stderr stream a cell wrote."""
+    return [
+        "".join(out.get("text", ""))
+        for cell in nb.cells if cell.cell_type == "code"
+        for out in cell.get("outputs", [])
+        if out.get("output_type") == "stream" and out.get("name") == "stderr"
+    ]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("chapter", type=pathlib.Path)
+    parser.add_argument("--cells", action="store_true", help="list the five slowest cells")
+    args = parser.parse_args()
+    nb, seconds, cells = execute(args.chapter.resolve())
+    print(f"{args.chapter}: {seconds:.1f} s (kernel start included)")
+    if args.cells:
+        for sec, index in sorted(cells, reverse=True)[:5]:
+            first = nb.cells[index].source.splitlines()[:1] or [""]
+            print(f"  cell {index:3d}: {sec:5.2f} s  {first[0][:70]}")
+    errors = stderr_outputs(nb)
+    for text in errors:
+        print("stderr output:", text.strip()[:500], file=sys.stderr)
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""The whole book builds strictly, with every cell of every chapter executed.
+
+One build (the same command as `make book`, into a temporary folder) serves every test here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import pickle
+import re
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+MAX_CHAPTER_SECONDS = 20.0
+
+pytestmark = pytest.mark.book
+
+
+def toc_files() -> list[str]:
+    toc = yaml.safe_load((ROOT / "_toc.yml").read_text())
+    files = [toc["root"]]
+    for entry in toc.get("chapters", []):
+        files.append(entry["file"])
+    return files
+
+
+@pytest.fixture(scope="module")
+def build(tmp_path_factory):
+    out = tmp_path_factory.mktemp("book")
+    jupyter_book = pathlib.Path(sys.executable).with_name("jupyter-book")
+    cmd = [str(jupyter_book), "build", str(ROOT), "--path-output", str(out),
+           "--all", "-W", "-n", "--keep-going"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, "PYTHONHASHSEED": "0"})
+    log = proc.stdout + proc.stderr
+    (out / "build.log").write_text(log)
+    return proc.returncode, log, out / "_build"
+
+
+def test_build_succeeds_without_warnings(build):
+    returncode, log, _ = build
+    # The kernel's own start-up notice on stderr is not a Sphinx warning; everything else is.
+    warnings = [line for line in log.splitlines()
+                if re.search(r"WARNING|ERROR", line) and not line.startswith("[IPKernelApp]")]
+    assert returncode == 0, "book build failed:\n" + "\n".join(warnings[-40:] or log.splitlines()[-40:])
+    assert warnings == []
+    assert "build succeeded" in log
+
+
+def test_every_page_in_the_toc_is_built(build):
+    _, _, out = build
+    for doc in toc_files():
+        assert (out / "html" / f"{doc}.html").is_file(), doc
+
+
+def executed_notebooks(out: pathlib.Path) -> dict[str, dict]:
+    return {
+        str(p.relative_to(out / "jupyter_execute").with_suffix("")): json.loads(p.read_text())
+        for p in (out / "jupyter_execute").rglob("*.ipynb")
+    }
+
+
+def test_every_code_cell_was_executed(build):
+    _, _, out = build
+    notebooks = executed_notebooks(out)
+    chapters = [doc for doc in toc_files() if (ROOT / f"{doc}.md").read_text().startswith("---\njupytext")]
+    assert sorted(notebooks) == sorted(chapters)
+    for name, nb in notebooks.items():
+        code_cells = [c for c in nb["cells"] if c["cell_type"] == "code"]
+        assert code_cells, name
+        for cell in code_cells:
+            assert isinstance(cell.get("execution_count"), int), f"{name}: unexecuted cell {cell['source'][:80]!r}"
+            for output in cell.get("outputs", []):
+                assert output["output_type"] != "error", f"{name}: {output.get('ename')}"
+                assert output.get("name") != "stderr", f"{name}: stderr {output.get('text')!r}"
+
+
+def test_each_chapter_executes_in_under_20_seconds(build):
+    _, _, out = build
+    with open(out / ".doctrees" / "environment.pickle", "rb") as f:
+        env = pickle.load(f)
+    runtimes = {doc: data["exec_data"]["runtime"] for doc, data in env.nb_metadata.items()
+                if data.get("exec_data")}
+    assert runtimes, "no execution data recorded"
+    print("\n".join(f"{doc}: {t:.1f} s" for doc, t in sorted(runtimes.items())))
+    slow = {doc: t for doc, t in runtimes.items() if t > MAX_CHAPTER_SECONDS}
+    assert not slow, f"chapters over {MAX_CHAPTER_SECONDS} s: {slow}"
+
+
+def test_figures_are_reproducible_svg(build):
+    _, _, out = build
+    svgs = list((out / "html" / "_images").glob("*.svg"))
+    chapters = [doc for doc in toc_files() if doc.split("/")[-1][:2].isdigit()]
+    if chapters:
+        assert svgs, "chapters exist but no SVG figure was written"
+    for svg in svgs:
+        text = svg.read_text()
+        assert "<dc:date>" not in text, f"{svg.name} carries a date stamp"
