@@ -26,8 +26,12 @@ torch.set_printoptions(precision=3, sci_mode=False)
 
 
 def toc_docs() -> list[str]:
+    """The root page and every file of _toc.yml, in reading order."""
     toc = yaml.safe_load((ROOT / "_toc.yml").read_text())
-    return [toc["root"]] + [entry["file"] for entry in toc.get("chapters", [])]
+    entries = list(toc.get("chapters", []))
+    for part in toc.get("parts", []):
+        entries += part["chapters"]
+    return [toc["root"]] + [entry["file"] for entry in entries]
 
 
 def numbered_chapters() -> list[pathlib.Path]:

@@ -1,0 +1,30 @@
+"""Shared fixtures: one strict build of the whole book per test session."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def build(tmp_path_factory):
+    """Build the book as `make book` does, into a temporary folder.
+
+    Returns (returncode, log, build_dir) where build_dir holds html/, jupyter_execute/ and
+    .doctrees/.
+    """
+    out = tmp_path_factory.mktemp("book")
+    jupyter_book = pathlib.Path(sys.executable).with_name("jupyter-book")
+    cmd = [str(jupyter_book), "build", str(ROOT), "--path-output", str(out),
+           "--all", "-W", "-n", "--keep-going"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, "PYTHONHASHSEED": "0"})
+    log = proc.stdout + proc.stderr
+    (out / "build.log").write_text(log)
+    return proc.returncode, log, out / "_build"
