@@ -1,10 +1,11 @@
 """Scaled dot-product attention and multi-head attention, written to be read.
 
-This is the one implementation the book uses: every chapter imports it, and the tests
-compare it with PyTorch's own ``torch.nn.functional.scaled_dot_product_attention`` and
+This is the one implementation the book uses: every chapter imports it, and
+the tests compare it with PyTorch's own
+``torch.nn.functional.scaled_dot_product_attention`` and
 ``torch.nn.MultiheadAttention``.
 
-Shape legend (the same letters as the book's notation page and PyTorch's docs)::
+Shape legend (the letters of the book's notation page and PyTorch's docs)::
 
     B   batch size
     H   number of heads
@@ -14,14 +15,16 @@ Shape legend (the same letters as the book's notation page and PyTorch's docs)::
     Ev  width of a value, d_v
     D   model width, d_model = H * head_dim
 
-Mask convention, everywhere in this module: a boolean mask is True where a query *may
-attend* to a key (PyTorch's ``scaled_dot_product_attention`` convention); a floating mask
-is *added* to the scores. ``torch.nn.MultiheadAttention`` uses the opposite boolean meaning
-(True = blocked): negate its masks before passing them here.
+Mask convention, everywhere in this module: a boolean mask is True where a
+query *may attend* to a key (the convention of PyTorch's
+``scaled_dot_product_attention``); a floating mask is *added* to the scores.
+``torch.nn.MultiheadAttention`` uses the opposite boolean meaning (True =
+blocked): negate its masks before passing them here.
 
-A query whose keys are all masked gets zero weights and a zero output, never NaN. Masked
-positions are filled with ``-inf`` and the softmax is written to survive that, so the code
-works in float16 and bfloat16, where a fill such as ``-1e9`` would overflow.
+A query whose keys are all masked gets zero weights and a zero output, never
+NaN. Masked positions are filled with ``-inf`` and the softmax is written to
+survive that, so the code works in float16 and bfloat16, where a fill such as
+``-1e9`` would overflow.
 
 References: Vaswani et al. (2017), "Attention Is All You Need", section 3.2.
 """
@@ -46,64 +49,80 @@ __all__ = [
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
-# --------------------------------------------------------------------------- softmax
+# --------------------------------------------------------------------- softmax
 
 
 def softmax(scores: Tensor, dim: int = -1) -> Tensor:
-    """Numerically stable softmax along ``dim``; a slice that is all ``-inf`` gives zeros.
+    """Numerically stable softmax along ``dim``; all ``-inf`` slices give 0.
 
-    Subtracting the slice maximum leaves the result unchanged (softmax is shift
-    invariant) and keeps every exponent <= 0, so nothing overflows.
+    Subtracting the slice maximum leaves the result unchanged (softmax is
+    shift invariant) and keeps every exponent <= 0, so nothing overflows.
     """
     if not isinstance(scores, Tensor) or not scores.is_floating_point():
-        raise TypeError(f"softmax expects a floating-point tensor, got {_describe(scores)}")
+        raise TypeError(
+            f"softmax expects a floating-point tensor, got {_describe(scores)}"
+        )
     top = scores.amax(dim=dim, keepdim=True)
-    # An all -inf slice has top = -inf and exp(-inf - (-inf)) = NaN; shift it by 0 instead.
-    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top)).detach()
-    exp = torch.exp(scores - top)
+    # An all -inf slice has top = -inf, and exp(-inf - (-inf)) is NaN:
+    # shift such a slice by 0 instead.
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    exp = torch.exp(scores - top.detach())
     total = exp.sum(dim=dim, keepdim=True)
-    # For an all -inf slice exp is all zeros; divide by 1 so the result (and its gradient)
-    # is zero rather than 0/0.
+    # An all -inf slice has exp == 0 everywhere: divide it by 1, not by 0, so
+    # the result and its gradient are zeros rather than NaN.
     return exp / torch.where(total > 0, total, torch.ones_like(total))
 
 
-# --------------------------------------------------------------------------- masks
+# ----------------------------------------------------------------------- masks
 
 
 def causal_mask(L: int, S: Optional[int] = None, *, device=None) -> Tensor:
-    """Boolean ``(L, S)`` mask, True on and below the diagonal: query i sees keys 0..i.
+    """Boolean ``(L, S)`` mask, True on and below the diagonal.
 
-    With ``S != L`` the diagonal starts at the top-left corner, as PyTorch's
-    ``is_causal=True`` does.
+    Query i may attend to keys 0..i. With ``S != L`` the diagonal starts at
+    the top-left corner, as PyTorch's ``is_causal=True`` does.
     """
     S = L if S is None else S
     for name, n in (("L", L), ("S", S)):
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"causal_mask needs positive integer sizes, got {name}={n!r}")
+            raise ValueError(
+                f"causal_mask needs positive integer sizes, got {name}={n!r}"
+            )
     return torch.ones(L, S, dtype=torch.bool, device=device).tril()  # (L, S)
 
 
-def padding_mask(lengths: Union[Tensor, Sequence[int]], S: int, *, device=None) -> Tensor:
-    """Boolean ``(B, S)`` mask, True at the first ``lengths[b]`` positions (the real tokens).
+def padding_mask(
+    lengths: Union[Tensor, Sequence[int]], S: int, *, device=None
+) -> Tensor:
+    """Boolean ``(B, S)`` mask, True at the first ``lengths[b]`` positions.
 
-    To use it as ``attn_mask`` for a batch of queries, add the query (and head) axes:
-    ``padding_mask(lengths, S)[:, None, :]`` has shape ``(B, 1, S)`` and broadcasts over L;
-    ``padding_mask(lengths, S)[:, None, None, :]`` has shape ``(B, 1, 1, S)`` for heads.
+    The first ``lengths[b]`` positions of sequence b are its real tokens, the
+    rest padding. As ``attn_mask``, add the query (and head) axes:
+    ``padding_mask(lengths, S)[:, None, :]`` is ``(B, 1, S)``, broadcasting
+    over L; ``padding_mask(lengths, S)[:, None, None, :]`` is
+    ``(B, 1, 1, S)``, broadcasting over heads too.
     """
     lengths = torch.as_tensor(lengths, device=device)
-    if lengths.dim() != 1 or lengths.is_floating_point() or lengths.dtype == torch.bool:
+    if (lengths.dim() != 1 or lengths.is_floating_point()
+            or lengths.dtype == torch.bool):
         raise ValueError(
-            f"padding_mask needs a 1-D integer tensor of lengths, got {_describe(lengths)}"
+            "padding_mask needs a 1-D integer tensor of lengths, got "
+            f"{_describe(lengths)}"
         )
     if isinstance(S, bool) or not isinstance(S, int) or S < 1:
-        raise ValueError(f"padding_mask needs a positive integer S, got S={S!r}")
+        raise ValueError(
+            f"padding_mask needs a positive integer S, got S={S!r}"
+        )
     if lengths.numel() and (lengths.min() < 0 or lengths.max() > S):
-        raise ValueError(f"padding_mask lengths must lie in [0, S={S}], got {lengths.tolist()}")
+        raise ValueError(
+            f"padding_mask lengths must lie in [0, S={S}], "
+            f"got {lengths.tolist()}"
+        )
     positions = torch.arange(S, device=lengths.device)  # (S,)
     return positions[None, :] < lengths[:, None]  # (B, S)
 
 
-# --------------------------------------------------------------------------- attention
+# ------------------------------------------------------------------- attention
 
 
 def scaled_dot_product_attention(
@@ -116,17 +135,20 @@ def scaled_dot_product_attention(
     *,
     scale: Optional[float] = None,
 ) -> tuple[Tensor, Tensor]:
-    """softmax(query @ key^T * scale + mask) @ value, returning ``(output, weights)``.
+    """softmax(query @ key^T * scale + mask) @ value -> (output, weights).
 
-    Shapes: query ``(..., L, E)``, key ``(..., S, E)``, value ``(..., S, Ev)``; the leading
-    axes broadcast. Returns output ``(..., L, Ev)`` and weights ``(..., L, S)``.
+    Shapes: query ``(..., L, E)``, key ``(..., S, E)``, value
+    ``(..., S, Ev)``; the leading axes broadcast. Returns output
+    ``(..., L, Ev)`` and weights ``(..., L, S)``.
 
-    ``attn_mask``: boolean (True = may attend) or floating (added to the scores), of any
-    shape that broadcasts to ``(..., L, S)``. ``is_causal=True`` lets query i see keys
-    0..i; given together with ``attn_mask`` both apply (PyTorch instead rejects the pair).
-    ``scale`` defaults to ``1 / sqrt(E)``. ``dropout_p`` drops weights at random (always,
-    like PyTorch's function; pass 0 at evaluation). The returned weights are those the
-    output was computed with, so ``output == weights @ value`` holds.
+    ``attn_mask`` is boolean (True = may attend) or floating (added to the
+    scores), of any shape that broadcasts to ``(..., L, S)``.
+    ``is_causal=True`` lets query i see keys 0..i; given together with
+    ``attn_mask``, both apply (PyTorch's function rejects the pair instead).
+    ``scale`` defaults to ``1 / sqrt(E)``. ``dropout_p`` drops weights at
+    random (always, like PyTorch's function: pass 0 at evaluation). The
+    returned weights are the ones the output was computed with, so
+    ``output == weights @ value``.
     """
     _check_qkv(query, key, value)
     L, E, S = query.shape[-2], query.shape[-1], key.shape[-2]
@@ -135,8 +157,10 @@ def scaled_dot_product_attention(
     if scale is None:
         scale = 1.0 / math.sqrt(E)
 
-    # float16/bfloat16: accumulate in float32 so large scores cannot overflow.
-    compute_dtype = torch.float32 if query.dtype in _HALF_DTYPES else query.dtype
+    # float16/bfloat16: compute in float32 so large scores cannot overflow.
+    compute_dtype = query.dtype
+    if compute_dtype in _HALF_DTYPES:
+        compute_dtype = torch.float32
     q, k = query.to(compute_dtype), key.to(compute_dtype)
     scores = (q @ k.transpose(-2, -1)) * scale  # (..., L, S)
 
@@ -148,30 +172,36 @@ def scaled_dot_product_attention(
 
     weights = softmax(scores, dim=-1)  # (..., L, S)
     if dropout_p > 0.0:
-        weights = torch.nn.functional.dropout(weights, p=dropout_p, training=True)
+        weights = nn.functional.dropout(weights, p=dropout_p, training=True)
     weights = weights.to(value.dtype)
-    output = weights.to(compute_dtype) @ value.to(compute_dtype)  # (..., L, Ev)
+    v = value.to(compute_dtype)
+    output = weights.to(compute_dtype) @ v  # (..., L, Ev)
     return output.to(value.dtype), weights
 
 
-def _apply_mask(scores: Tensor, attn_mask: Tensor, query: Tensor, key: Tensor) -> Tensor:
-    """Return scores with a boolean mask filled by -inf or a floating mask added."""
+def _apply_mask(
+    scores: Tensor, attn_mask: Tensor, query: Tensor, key: Tensor
+) -> Tensor:
+    """Scores with a boolean mask filled by -inf, or a floating mask added."""
     if not isinstance(attn_mask, Tensor):
-        raise TypeError(f"attn_mask must be a tensor, got {type(attn_mask).__name__}")
+        raise TypeError(
+            f"attn_mask must be a tensor, got {type(attn_mask).__name__}"
+        )
     if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
         raise ValueError(
-            f"attn_mask must be boolean (True = may attend) or floating (added to the "
-            f"scores), got dtype {attn_mask.dtype}"
+            "attn_mask must be boolean (True = may attend) or floating (added "
+            f"to the scores), got dtype {attn_mask.dtype}"
         )
     target = tuple(scores.shape)
     try:
-        fits = torch.broadcast_shapes(tuple(attn_mask.shape), target) == target
+        fits = torch.broadcast_shapes(attn_mask.shape, target) == target
     except RuntimeError:
         fits = False
     if not fits:
         raise ValueError(
-            f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to the scores "
-            f"(..., L, S) = {target} of query {tuple(query.shape)} and key {tuple(key.shape)}"
+            f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast "
+            f"to the scores (..., L, S) = {target} of query "
+            f"{tuple(query.shape)} and key {tuple(key.shape)}"
         )
     if attn_mask.dtype == torch.bool:
         return scores.masked_fill(~attn_mask, float("-inf"))
@@ -179,28 +209,42 @@ def _apply_mask(scores: Tensor, attn_mask: Tensor, query: Tensor, key: Tensor) -
 
 
 def _check_qkv(query: Tensor, key: Tensor, value: Tensor) -> None:
-    """Raise ValueError, naming every shape, unless query, key and value fit together."""
+    """Raise ValueError, naming every shape, unless query, key, value fit."""
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, Tensor):
             raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
         if not t.is_floating_point():
-            raise ValueError(f"{name} must be floating point, got dtype {t.dtype}")
-    shapes = (
-        f"query {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}"
-    )
+            raise ValueError(
+                f"{name} must be floating point, got dtype {t.dtype}"
+            )
+    shapes = (f"query {tuple(query.shape)}, key {tuple(key.shape)}, "
+              f"value {tuple(value.shape)}")
     if min(query.dim(), key.dim(), value.dim()) < 2:
-        raise ValueError(f"query, key and value need at least 2 dims (..., seq, width); got {shapes}")
+        raise ValueError(
+            f"query, key and value need at least 2 dims (..., seq, width); "
+            f"got {shapes}"
+        )
     if query.shape[-1] != key.shape[-1]:
-        raise ValueError(f"query and key must have the same last dim E; got {shapes}")
+        raise ValueError(
+            f"query and key must have the same last dim E; got {shapes}"
+        )
     if key.shape[-2] != value.shape[-2]:
-        raise ValueError(f"key and value must have the same length S (dim -2); got {shapes}")
+        raise ValueError(
+            f"key and value must have the same length S (dim -2); got {shapes}"
+        )
     try:
-        torch.broadcast_shapes(query.shape[:-2], key.shape[:-2], value.shape[:-2])
+        torch.broadcast_shapes(
+            query.shape[:-2], key.shape[:-2], value.shape[:-2]
+        )
     except RuntimeError:
-        raise ValueError(f"the batch dims of query, key and value do not broadcast; got {shapes}") from None
+        raise ValueError(
+            f"the batch dims of query, key and value do not broadcast; "
+            f"got {shapes}"
+        ) from None
     if not (query.dtype == key.dtype == value.dtype):
         raise ValueError(
-            f"query, key and value must share a dtype; got {query.dtype}, {key.dtype}, {value.dtype}"
+            f"query, key and value must share a dtype; got {query.dtype}, "
+            f"{key.dtype}, {value.dtype}"
         )
 
 
@@ -210,22 +254,27 @@ def _describe(x) -> str:
     return type(x).__name__
 
 
-# --------------------------------------------------------------------------- multi-head
+# ------------------------------------------------------------------ multi-head
 
 
 class MultiHeadAttention(nn.Module):
-    """Multi-head attention, batch first, with PyTorch's mask convention (True = may attend).
+    """Multi-head attention, batch first, True in a boolean mask = may attend.
 
-    ``num_heads`` heads of width ``head_dim = d_model // num_heads`` attend in parallel;
-    their outputs are concatenated and mixed by ``out_proj``. Same parameter count as
-    ``torch.nn.MultiheadAttention(d_model, num_heads, bias=bias)``: 4 D^2 (+ 4 D biases).
+    ``num_heads`` heads of width ``head_dim = d_model // num_heads`` attend
+    in parallel; their outputs are concatenated and mixed by ``out_proj``.
+    Same parameter count as ``torch.nn.MultiheadAttention(d_model,
+    num_heads, bias=bias)``: 4 D^2 weights, plus 4 D biases if ``bias``.
     """
 
-    def __init__(self, d_model: int, num_heads: int, dropout: float = 0.0, bias: bool = True):
+    def __init__(
+        self, d_model: int, num_heads: int, dropout: float = 0.0,
+        bias: bool = True,
+    ):
         super().__init__()
         if d_model < 1 or num_heads < 1 or d_model % num_heads != 0:
             raise ValueError(
-                f"d_model={d_model} must be a positive multiple of num_heads={num_heads}"
+                f"d_model={d_model} must be a positive multiple of "
+                f"num_heads={num_heads}"
             )
         self.d_model = d_model
         self.num_heads = num_heads
@@ -244,9 +293,12 @@ class MultiHeadAttention(nn.Module):
         attn_mask: Optional[Tensor] = None,
         is_causal: bool = False,
     ) -> tuple[Tensor, Tensor]:
-        """query ``(B, L, D)``, key and value ``(B, S, D)`` -> output ``(B, L, D)``, weights
-        ``(B, H, L, S)``. ``attn_mask`` broadcasts to ``(B, H, L, S)``: ``(L, S)`` for one
-        mask shared by all, ``(B, 1, 1, S)`` for key padding."""
+        """Attend from query ``(B, L, D)`` to key, value ``(B, S, D)``.
+
+        Returns output ``(B, L, D)`` and weights ``(B, H, L, S)``.
+        ``attn_mask`` broadcasts to ``(B, H, L, S)``: ``(L, S)`` for one
+        mask shared by all, ``(B, 1, 1, S)`` for key padding.
+        """
         self._check_inputs(query, key, value)
         q = self._split_heads(self.q_proj(query))  # (B, H, L, head_dim)
         k = self._split_heads(self.k_proj(key))  # (B, H, S, head_dim)
@@ -255,49 +307,74 @@ class MultiHeadAttention(nn.Module):
             q, k, v, attn_mask=attn_mask, is_causal=is_causal,
             dropout_p=self.dropout if self.training else 0.0,
         )  # (B, H, L, head_dim), (B, H, L, S)
-        return self.out_proj(self._merge_heads(heads)), weights  # (B, L, D), (B, H, L, S)
+        output = self.out_proj(self._merge_heads(heads))  # (B, L, D)
+        return output, weights
 
     def _split_heads(self, x: Tensor) -> Tensor:
+        """(B, T, D) -> (B, H, T, head_dim): head h takes the h-th slice of D."""
         B, T, _ = x.shape
-        return x.view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, T, head_dim)
+        x = x.view(B, T, self.num_heads, self.head_dim)  # (B, T, H, head_dim)
+        return x.transpose(1, 2)  # (B, H, T, head_dim)
 
     def _merge_heads(self, x: Tensor) -> Tensor:
+        """(B, H, T, head_dim) -> (B, T, D), the inverse of _split_heads."""
         B, _, T, _ = x.shape
         return x.transpose(1, 2).reshape(B, T, self.d_model)  # (B, T, D)
 
-    def _check_inputs(self, query: Tensor, key: Tensor, value: Tensor) -> None:
-        shapes = (
-            f"query {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}"
-        )
+    def _check_inputs(self, query: Tensor, key: Tensor, value: Tensor):
+        shapes = (f"query {tuple(query.shape)}, key {tuple(key.shape)}, "
+                  f"value {tuple(value.shape)}")
         if not (query.dim() == key.dim() == value.dim() == 3):
-            raise ValueError(f"MultiHeadAttention expects 3-D (B, T, d_model) inputs; got {shapes}")
-        if not (query.shape[-1] == key.shape[-1] == value.shape[-1] == self.d_model):
-            raise ValueError(f"last dim must be d_model={self.d_model}; got {shapes}")
+            raise ValueError(
+                "MultiHeadAttention expects 3-D (B, T, d_model) inputs; "
+                f"got {shapes}"
+            )
+        if not (query.shape[-1] == key.shape[-1] == value.shape[-1]
+                == self.d_model):
+            raise ValueError(
+                f"last dim must be d_model={self.d_model}; got {shapes}"
+            )
         if not (query.shape[0] == key.shape[0] == value.shape[0]):
-            raise ValueError(f"query, key and value must share the batch size B; got {shapes}")
+            raise ValueError(
+                f"query, key and value must share the batch size B; "
+                f"got {shapes}"
+            )
         if key.shape[1] != value.shape[1]:
-            raise ValueError(f"key and value must have the same length S; got {shapes}")
+            raise ValueError(
+                f"key and value must have the same length S; got {shapes}"
+            )
 
     @classmethod
     def from_torch(cls, m: nn.MultiheadAttention) -> "MultiHeadAttention":
-        """A copy of ``torch.nn.MultiheadAttention(..., batch_first=True)`` ``m``'s weights.
+        """A copy of the weights of ``m``, a ``torch.nn.MultiheadAttention``.
 
-        PyTorch stores W_Q, W_K, W_V stacked in one ``(3D, D)`` ``in_proj_weight``; rows
-        ``[0, D)`` are W_Q, ``[D, 2D)`` W_K and ``[2D, 3D)`` W_V.
+        Build ``m`` with ``batch_first=True`` for inputs laid out the same
+        way. PyTorch stacks W_Q, W_K, W_V in one ``(3D, D)``
+        ``in_proj_weight``: rows ``[0, D)`` are W_Q, ``[D, 2D)`` W_K and
+        ``[2D, 3D)`` W_V.
         """
         if not isinstance(m, nn.MultiheadAttention):
-            raise TypeError(f"from_torch expects torch.nn.MultiheadAttention, got {type(m).__name__}")
-        if not m._qkv_same_embed_dim or m.bias_k is not None or m.add_zero_attn:
-            raise ValueError("from_torch supports kdim = vdim = embed_dim, no add_bias_kv, no add_zero_attn")
+            raise TypeError(
+                "from_torch expects torch.nn.MultiheadAttention, "
+                f"got {type(m).__name__}"
+            )
+        if (not m._qkv_same_embed_dim or m.bias_k is not None
+                or m.add_zero_attn):
+            raise ValueError(
+                "from_torch supports only kdim = vdim = embed_dim, "
+                "without add_bias_kv or add_zero_attn"
+            )
         bias = m.in_proj_bias is not None
         new = cls(m.embed_dim, m.num_heads, dropout=m.dropout, bias=bias)
-        new = new.to(device=m.in_proj_weight.device, dtype=m.in_proj_weight.dtype)
+        w = m.in_proj_weight
+        new = new.to(device=w.device, dtype=w.dtype)
         D = m.embed_dim
+        projections = (new.q_proj, new.k_proj, new.v_proj)
         with torch.no_grad():
-            for i, proj in enumerate((new.q_proj, new.k_proj, new.v_proj)):
-                proj.weight.copy_(m.in_proj_weight[i * D : (i + 1) * D])
+            for i, proj in enumerate(projections):
+                proj.weight.copy_(w[i * D:(i + 1) * D])
                 if bias:
-                    proj.bias.copy_(m.in_proj_bias[i * D : (i + 1) * D])
+                    proj.bias.copy_(m.in_proj_bias[i * D:(i + 1) * D])
             new.out_proj.weight.copy_(m.out_proj.weight)
             if bias:
                 new.out_proj.bias.copy_(m.out_proj.bias)
@@ -305,23 +382,31 @@ class MultiHeadAttention(nn.Module):
         return new
 
 
-# --------------------------------------------------------------------------- plotting
+# -------------------------------------------------------------------- plotting
 
 
-def plot_attention(weights, row_labels=None, col_labels=None, *, ax=None, title=None,
-                   annotate=None, cmap="viridis", vmin=0.0, vmax=None, decimals=2):
-    """Heatmap of a ``(L, S)`` weight matrix: rows are queries, columns keys.
+def plot_attention(
+    weights, row_labels=None, col_labels=None, *, ax=None, title=None,
+    annotate=None, cmap="viridis", vmin=0.0, vmax=None, decimals=2,
+):
+    """Heatmap of an ``(L, S)`` weight matrix: rows are queries, columns keys.
 
-    Numbers are printed in the cells when the matrix is small (``annotate=None`` means
-    "at most 10 x 10"). Returns the matplotlib ``AxesImage``. Matplotlib is imported only
-    here, so the rest of the module does not need it.
+    Numbers are printed in the cells when the matrix is small
+    (``annotate=None`` means "at most 10 x 10"). Returns the matplotlib
+    ``AxesImage``. Matplotlib is imported here only, so the rest of the
+    module does not need it.
     """
     import matplotlib.pyplot as plt
     import numpy as np
 
-    w = weights.detach().float().cpu().numpy() if isinstance(weights, Tensor) else np.asarray(weights, dtype=float)
+    if isinstance(weights, Tensor):
+        w = weights.detach().float().cpu().numpy()
+    else:
+        w = np.asarray(weights, dtype=float)
     if w.ndim != 2:
-        raise ValueError(f"plot_attention needs a 2-D (L, S) matrix, got shape {w.shape}")
+        raise ValueError(
+            f"plot_attention needs a 2-D (L, S) matrix, got shape {w.shape}"
+        )
     ax = ax if ax is not None else plt.gca()
     image = ax.imshow(w, cmap=cmap, vmin=vmin, vmax=vmax, aspect="auto")
     L, S = w.shape
@@ -332,12 +417,14 @@ def plot_attention(weights, row_labels=None, col_labels=None, *, ax=None, title=
         middle = (lo + hi) / 2
         for i in range(L):
             for j in range(S):
-                # Dark text on the bright end of the map, light text on the dark end.
+                # Dark text on the bright end of the map, light on the dark.
                 colour = "black" if w[i, j] > middle else "white"
-                ax.text(j, i, f"{w[i, j]:.{decimals}f}", ha="center", va="center",
-                        color=colour, fontsize=9)
-    ax.set_xticks(range(S), labels=col_labels if col_labels is not None else range(S))
-    ax.set_yticks(range(L), labels=row_labels if row_labels is not None else range(L))
+                ax.text(j, i, f"{w[i, j]:.{decimals}f}", ha="center",
+                        va="center", color=colour, fontsize=9)
+    ax.set_xticks(range(S), labels=range(S) if col_labels is None
+                  else col_labels)
+    ax.set_yticks(range(L), labels=range(L) if row_labels is None
+                  else row_labels)
     ax.set_xlabel("key")
     ax.set_ylabel("query")
     if title:
