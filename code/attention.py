@@ -311,7 +311,7 @@ class MultiHeadAttention(nn.Module):
         return output, weights
 
     def _split_heads(self, x: Tensor) -> Tensor:
-        """(B, T, D) -> (B, H, T, head_dim): head h takes the h-th slice of D."""
+        """(B, T, D) -> (B, H, T, head_dim); head h: h-th slice of D."""
         B, T, _ = x.shape
         x = x.view(B, T, self.num_heads, self.head_dim)  # (B, T, H, head_dim)
         return x.transpose(1, 2)  # (B, H, T, head_dim)

@@ -22,6 +22,7 @@ import matplotlib
 matplotlib.rcParams.update({"svg.hashsalt": "attention-computed", "image.cmap": "viridis"})
 import torch
 torch.set_printoptions(precision=3, sci_mode=False)
+torch.set_num_threads(1)  # small tensors: one thread is as fast, and chapters can run side by side
 ```'''
 
 
