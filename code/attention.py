@@ -162,13 +162,14 @@ def scaled_dot_product_attention(
     if compute_dtype in _HALF_DTYPES:
         compute_dtype = torch.float32
     q, k = query.to(compute_dtype), key.to(compute_dtype)
-    scores = (q @ k.transpose(-2, -1)) * scale  # (..., L, S)
+    # Scaling the queries (L x E numbers) costs less than scaling the scores (L x S).
+    scores = (q * scale) @ k.transpose(-2, -1)  # (..., L, S)
 
     if attn_mask is not None:
         scores = _apply_mask(scores, attn_mask, query, key)
     if is_causal:
-        keep = causal_mask(L, S, device=scores.device)  # (L, S)
-        scores = scores.masked_fill(~keep, float("-inf"))
+        future = ~causal_mask(L, S, device=scores.device)  # (L, S)
+        scores = scores.masked_fill_(future, float("-inf"))
 
     weights = softmax(scores, dim=-1)  # (..., L, S)
     if dropout_p > 0.0:

@@ -12,14 +12,12 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="session")
-def build(tmp_path_factory):
-    """Build the book as `make book` does, into a temporary folder.
+def build_book(out: pathlib.Path):
+    """Build the book as `make book` does, into ``out``.
 
     Returns (returncode, log, build_dir) where build_dir holds html/, jupyter_execute/ and
     .doctrees/.
     """
-    out = tmp_path_factory.mktemp("book")
     cmd = [sys.executable, str(ROOT / "tests" / "build_book.py"), str(ROOT),
            "--path-output", str(out), "--all", "-W", "-n", "--keep-going"]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
@@ -27,3 +25,9 @@ def build(tmp_path_factory):
     log = proc.stdout + proc.stderr
     (out / "build.log").write_text(log)
     return proc.returncode, log, out / "_build"
+
+
+@pytest.fixture(scope="session")
+def build(tmp_path_factory):
+    """One strict build of the whole book, shared by every test that needs it."""
+    return build_book(tmp_path_factory.mktemp("book"))

@@ -13,6 +13,7 @@ import re
 
 import pytest
 import yaml
+from conftest import build_book
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MAX_CHAPTER_SECONDS = 20.0
@@ -88,3 +89,16 @@ def test_figures_are_reproducible_svg(build):
     for svg in svgs:
         text = svg.read_text()
         assert "<dc:date>" not in text, f"{svg.name} carries a date stamp"
+
+
+def test_two_builds_give_identical_pages(build, tmp_path):
+    """Seeded computations, salted SVG ids and no time stamps: a rebuild changes no byte."""
+    returncode, _, out = build
+    assert returncode == 0
+    again_code, again_log, again = build_book(tmp_path)
+    assert again_code == 0, again_log[-2000:]
+    first = {p.relative_to(out / "html"): p.read_bytes() for p in (out / "html").rglob("*") if p.is_file()}
+    second = {p.relative_to(again / "html"): p.read_bytes() for p in (again / "html").rglob("*") if p.is_file()}
+    assert sorted(first) == sorted(second)
+    differing = sorted(str(path) for path in first if first[path] != second[path])
+    assert differing == [], f"pages that changed between two builds: {differing}"

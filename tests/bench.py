@@ -1,0 +1,167 @@
+"""`make bench`: how fast the book builds and how fast the module runs, as one table.
+
+    python tests/bench.py [--skip-build]
+
+Measures, on this machine, in one run:
+- the clean build (every cell executed, as `make book`) and a no-op rebuild;
+- each chapter's execution time (recorded by myst-nb during the clean build);
+- the floor: one kernel start plus `import torch, matplotlib`, once per chapter;
+- the size of the site and its heaviest page;
+- the forward time of code/attention.py against PyTorch's math path of
+  `scaled_dot_product_attention` and against `torch.nn.MultiheadAttention`, as ratios.
+The table is printed and written to _build/bench.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import pickle
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "code"))
+
+
+def timed(cmd: list[str]) -> float:
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    elapsed = time.perf_counter() - start
+    if proc.returncode != 0:
+        sys.exit(f"command failed: {' '.join(cmd)}\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+    return elapsed
+
+
+def build_times(out: pathlib.Path) -> tuple[float, float, dict[str, float]]:
+    build = [sys.executable, str(ROOT / "tests" / "build_book.py"), str(ROOT),
+             "--path-output", str(out), "-W", "-n", "--keep-going"]
+    clean = timed(build + ["--all"])
+    noop = timed(build)
+    with open(out / "_build" / ".doctrees" / "environment.pickle", "rb") as f:
+        env = pickle.load(f)
+    chapters = {doc.split("/")[-1]: data["exec_data"]["runtime"]
+                for doc, data in env.nb_metadata.items() if data.get("exec_data")}
+    return clean, noop, dict(sorted(chapters.items()))
+
+
+def floor_seconds(repeats: int = 3) -> float:
+    """Median time to start a kernel and import torch and matplotlib in it."""
+    import jupyter_client
+
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        km, kc = jupyter_client.manager.start_new_kernel(kernel_name="python3")
+        try:
+            kc.execute_interactive("import torch, matplotlib.pyplot", timeout=120)
+        finally:
+            kc.stop_channels()
+            km.shutdown_kernel(now=True)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def site_size(html: pathlib.Path) -> tuple[float, str, float]:
+    files = [p for p in html.rglob("*") if p.is_file()]
+    total = sum(p.stat().st_size for p in files) / 2**20
+    pages = [p for p in files if p.suffix == ".html" and "_static" not in p.parts]
+
+    def weight(page: pathlib.Path) -> int:
+        """The page's HTML plus the images it shows."""
+        text = page.read_text(encoding="utf-8")
+        images = {p for p in (html / "_images").glob("*") if p.name in text}
+        return page.stat().st_size + sum(p.stat().st_size for p in images)
+
+    heaviest = max(pages, key=weight)
+    return total, str(heaviest.relative_to(html)), weight(heaviest) / 2**20
+
+
+def best_of(fn, repeats: int = 20) -> float:
+    fn()  # warm up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def forward_ratios() -> list[tuple[str, float, float, float]]:
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from attention import MultiHeadAttention, scaled_dot_product_attention
+
+    torch.manual_seed(0)
+    rows = []
+    for B, H, L, E in [(8, 8, 128, 64), (4, 8, 512, 64), (1, 8, 1024, 64)]:
+        q, k, v = (torch.randn(B, H, L, E) for _ in range(3))
+        with torch.no_grad():
+            mine = best_of(lambda: scaled_dot_product_attention(q, k, v, is_causal=True))
+            with sdpa_kernel(SDPBackend.MATH):
+                ref = best_of(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+        rows.append((f"SDPA B={B} H={H} L=S={L} E={E}, causal", mine * 1e3, ref * 1e3, mine / ref))
+    for B, L, D, H in [(8, 128, 256, 8), (2, 512, 256, 8)]:
+        ref_module = torch.nn.MultiheadAttention(D, H, batch_first=True).eval()
+        module = MultiHeadAttention.from_torch(ref_module).eval()
+        x = torch.randn(B, L, D)
+        with torch.no_grad():
+            mine = best_of(lambda: module(x, x, x))
+            ref = best_of(lambda: ref_module(x, x, x, average_attn_weights=False))
+        rows.append((f"MHA B={B} L={L} d_model={D} H={H}, weights returned", mine * 1e3, ref * 1e3, mine / ref))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--skip-build", action="store_true", help="only the module timings")
+    args = parser.parse_args()
+
+    lines = [f"Machine: {os.cpu_count()} cores, {platform.processor() or platform.machine()}, "
+             f"Python {platform.python_version()}", ""]
+    if not args.skip_build:
+        out = pathlib.Path(tempfile.mkdtemp(prefix="bench-"))
+        try:
+            clean, noop, chapters = build_times(out)
+            floor = floor_seconds()
+            total, heaviest, heaviest_mb = site_size(out / "_build" / "html")
+        finally:
+            shutil.rmtree(out, ignore_errors=True)
+        executed = sum(chapters.values())
+        book_floor = floor * len(chapters)
+        lines += [
+            "| build | seconds |", "| --- | ---: |",
+            f"| clean build, every cell executed (wall) | {clean:.1f} |",
+            f"| no-op rebuild (wall) | {noop:.1f} |",
+            f"| floor: kernel start + `import torch, matplotlib`, one chapter | {floor:.1f} |",
+            f"| floor for {len(chapters)} chapters, run one after another | {book_floor:.1f} |",
+            f"| chapter execution, summed | {executed:.1f} |",
+            f"| clean build / floor | {clean / book_floor:.2f} |",
+            f"| summed execution / floor | {executed / book_floor:.2f} |",
+            "", "| chapter | execution seconds |", "| --- | ---: |",
+            *[f"| {name} | {sec:.1f} |" for name, sec in chapters.items()],
+            "", "| site | |", "| --- | ---: |",
+            f"| total size | {total:.1f} MiB |",
+            f"| heaviest page (HTML + its images) | {heaviest}, {heaviest_mb:.2f} MiB |",
+            "",
+        ]
+    lines += ["| forward pass (CPU, no grad, best of 20) | module ms | PyTorch ms | ratio |",
+              "| --- | ---: | ---: | ---: |"]
+    lines += [f"| {name} | {mine:.2f} | {ref:.2f} | {ratio:.2f} |"
+              for name, mine, ref, ratio in forward_ratios()]
+    report = "\n".join(lines)
+    print(report)
+    (ROOT / "_build").mkdir(exist_ok=True)
+    (ROOT / "_build" / "bench.md").write_text(report + "\n")
+
+
+if __name__ == "__main__":
+    main()
