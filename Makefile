@@ -13,7 +13,7 @@ PORT   ?= 8000
 # references nitpicky (-n), and all warnings reported before failing (--keep-going).
 JB_FLAGS := --all -W -n --keep-going
 
-.PHONY: book test test-code clean serve venv chapter
+.PHONY: book html bench test test-code clean serve venv chapter
 
 venv: $(STAMP)
 
@@ -22,14 +22,25 @@ $(STAMP): requirements.txt
 	$(BIN)/python -m pip install --quiet -r requirements.txt
 	touch $(STAMP)
 
+# tests/build_book.py is `jupyter-book build` with Sphinx's parallel reading, so chapters
+# execute side by side on all cores (BOOK_JOBS=1 for one at a time).
 book: $(STAMP)
 	rm -rf _build/html _build/.doctrees _build/jupyter_execute
-	$(BIN)/jupyter-book build . $(JB_FLAGS)
+	$(BIN)/python tests/build_book.py . $(JB_FLAGS)
+
+# Incremental: re-reads (and re-executes) only pages whose source, or code/attention.py, changed.
+html: $(STAMP)
+	$(BIN)/python tests/build_book.py . -W -n --keep-going
+
+# Build time, no-op rebuild, per-chapter execution, site size, module speed against PyTorch.
+bench: $(STAMP)
+	$(BIN)/python tests/bench.py
 
 # The module's tests first (fast), then the whole book, strictly.
 test: $(STAMP)
 	$(BIN)/python -m pytest
 
+# The fast tests only: the module and the chapter sources, no book build, no browser.
 test-code: $(STAMP)
 	$(BIN)/python -m pytest -m "not book"
 
@@ -44,3 +55,11 @@ clean:
 # Execute one chapter as the build does and list its slowest cells: make chapter NAME=03-scaling
 chapter: $(STAMP)
 	$(BIN)/python tests/run_chapter.py chapters/$(NAME).md --cells
+
+# Full-page screenshots of every page at desktop (1280 px) and phone (390 px) width, offline,
+# into _build/screenshots/ (builds the book first when _build/html is missing). Needs Debian's
+# chromium, as the site tests do.
+.PHONY: screenshots
+screenshots: $(STAMP)
+	test -f _build/html/index.html || $(MAKE) book
+	$(BIN)/python tests/screenshots.py _build/html _build/screenshots

@@ -1,0 +1,434 @@
+"""The built site as readers see it: every page opened offline in headless Chromium.
+
+One strict build (the `build` fixture in conftest.py) is served on 127.0.0.1 and every page is
+loaded once in Debian's Chromium (tests/site_browser.py), with every request outside localhost
+refused, as in a classroom without network. Each visit records what the tests below require of
+every page: math typeset by the site's own MathJax with no error, every image loaded, no failed
+local request, nothing fetched from outside, no console error, keyboard access to every
+dropdown, no serious or critical axe-core violation (with the dropdowns open), and no sideways
+scrolling at phone width. A crawl of the HTML files (no browser) checks every internal link and
+anchor and the figures' alt text, and lists the external links for a human to check.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import html.parser
+import pathlib
+import posixpath
+import re
+import time
+import urllib.parse
+
+import pytest
+from axe_playwright_python.base import AXE_FILE_PATH  # the pinned package vendors axe.min.js
+
+import site_browser as sb
+
+pytestmark = pytest.mark.book
+
+# --- in-page checks (JavaScript run by playwright) ---------------------------------------------
+
+MATH_JS = r"""() => {
+  const maths = [...document.querySelectorAll('span.math, div.math')];
+  const untypeset = maths.filter(m => !m.querySelector('mjx-container'))
+                         .map(m => m.textContent.trim().slice(0, 80));
+  const errors = [...document.querySelectorAll('mjx-merror')]
+                 .map(e => e.getAttribute('data-mjx-error') || e.textContent.slice(0, 80));
+  // TeX delimiters left in the text are math MathJax never saw (code and outputs excepted).
+  const skip = new Set(['SCRIPT', 'STYLE', 'PRE', 'CODE', 'TEXTAREA', 'NOSCRIPT', 'MJX-CONTAINER']);
+  const walker = document.createTreeWalker(document.body, NodeFilter.SHOW_TEXT, {acceptNode(node) {
+    for (let el = node.parentElement; el; el = el.parentElement)
+      if (skip.has(el.tagName)) return NodeFilter.FILTER_REJECT;
+    return NodeFilter.FILTER_ACCEPT;
+  }});
+  const raw = [];
+  while (walker.nextNode()) {
+    const text = walker.currentNode.textContent;
+    if (/\\\(|\\\)|\\\[|\\\]|\$\$|\\begin\{/.test(text)) raw.push(text.trim().slice(0, 120));
+  }
+  return {elements: maths.length, containers: document.querySelectorAll('mjx-container').length,
+          untypeset, errors, raw};
+}"""
+
+IMAGES_JS = """() => [...document.images]
+  .filter(img => !img.complete || img.naturalWidth === 0)
+  .map(img => img.getAttribute('src'))"""
+
+# Dropdowns a reader opens: sphinx-togglebutton's buttons (solutions, hidden cells) and any
+# <details> summary. Each gets an id so that the Tab walk below can name it.
+TOGGLES_JS = """() => [...document.querySelectorAll('button.toggle-button, details > summary')]
+  .map((el, i) => { if (!el.id) el.id = `kbd-toggle-${i}`; return el.id; })"""
+
+# Record every element that receives focus, so many Tab presses need one round trip.
+FOCUS_LOG_JS = """() => { window.__focused = []; const keys = new WeakMap(); let n = 0;
+  document.addEventListener('focusin', e => {
+    if (!keys.has(e.target)) keys.set(e.target, e.target.id || `focusable-${n++}`);
+    window.__focused.push(keys.get(e.target)); }); }"""
+
+FOCUS_RING_JS = """id => { const el = document.getElementById(id), style = getComputedStyle(el);
+  return document.activeElement === el && el.matches(':focus-visible') &&
+         (style.outlineStyle !== 'none' && parseFloat(style.outlineWidth) > 0 ||
+          style.boxShadow !== 'none'); }"""
+
+OPEN_STATE_JS = """id => { const el = document.getElementById(id);
+  if (el.tagName === 'SUMMARY') return el.parentElement.open;
+  const target = document.getElementById(el.dataset.target);
+  return el.getAttribute('aria-expanded') === 'true' && !target.classList.contains('toggle-hidden'); }"""
+
+# axe-core's color-contrast rule takes most of its time, nearly all of it on the ~1,500
+# highlighted code tokens of a chapter, which share a few colours on one background. So axe
+# checks contrast everywhere except in code blocks, and CODE_CONTRAST_JS checks each distinct
+# token colour on its background in code blocks by the same WCAG AA formula, for a fraction of
+# the time. preload: false, because axe's own fetch of the style sheets resolves the theme's
+# relative @import against the page instead of the style sheet, asking for a /basic.css that
+# does not exist (only the css-orientation-lock rule needs those sheets).
+AXE_RUN_JS = """async () => {
+  // Let the dropdowns that keyboard_check opened finish fading in.
+  await new Promise(resolve => requestAnimationFrame(resolve));
+  await Promise.all(document.getAnimations()
+    .filter(animation => animation.effect && animation.effect.getComputedTiming().endTime !== Infinity)
+    .map(animation => animation.finished));
+  const options = {preload: false, resultTypes: ['violations']};
+  const rest = await axe.run(document, {...options, rules: {'color-contrast': {enabled: false}}});
+  const contrast = await axe.run({exclude: [['div.highlight']]},
+                                 {...options, runOnly: {type: 'rule', values: ['color-contrast']}});
+  return [...rest.violations, ...contrast.violations]
+    .filter(v => v.impact === 'serious' || v.impact === 'critical')
+    .map(v => ({id: v.id, impact: v.impact, help: v.help,
+                nodes: v.nodes.slice(0, 5).map(n => n.target.join(' '))}));
+}"""
+
+CODE_CONTRAST_JS = r"""() => {
+  const parse = css => {  // rgb()/rgba() as computed styles give them; null for anything else
+    const m = css.match(/^rgba?\(([^)]+)\)$/);
+    if (!m) return null;
+    const p = m[1].split(/[\s,\/]+/).filter(Boolean).map(Number);
+    return [p[0], p[1], p[2], p.length > 3 ? p[3] : 1];
+  };
+  const TRANSPARENT = [0, 0, 0, 0];
+  const over = (top, below) => below.map((v, i) => top[i] * top[3] + v * (1 - top[3]));
+  const luminance = rgb => rgb.map(v => (v /= 255) <= 0.03928 ? v / 12.92 : ((v + 0.055) / 1.055) ** 2.4)
+                              .reduce((sum, v, i) => sum + v * [0.2126, 0.7152, 0.0722][i], 0);
+  const backgroundOf = el => {  // the colour behind el: its own and its ancestors' backgrounds
+    const layers = [];
+    for (; el; el = el.parentElement) {
+      const colour = parse(getComputedStyle(el).backgroundColor) || TRANSPARENT;
+      if (colour[3] > 0) layers.push(colour);
+      if (colour[3] >= 1) break;
+    }
+    return layers.reverse().reduce((below, top) => over(top, below), [255, 255, 255]);
+  };
+  const blockBackground = new Map(), found = new Map();
+  for (const token of document.querySelectorAll('div.highlight pre span')) {
+    if (!token.textContent.trim() || token.children.length) continue;
+    const pre = token.closest('pre');
+    if (!blockBackground.has(pre)) blockBackground.set(pre, backgroundOf(pre));
+    const own = parse(getComputedStyle(token).backgroundColor) || TRANSPARENT;
+    const fg = parse(getComputedStyle(token).color);
+    if (!fg) continue;
+    const background = own[3] > 0 ? over(own, blockBackground.get(pre)) : blockBackground.get(pre);
+    const colour = over(fg, background);
+    const key = `${colour.map(Math.round)} on ${background.map(Math.round)}`;
+    if (found.has(key)) continue;
+    const [light, dark] = [luminance(colour), luminance(background)].sort((a, b) => b - a);
+    found.set(key, {ratio: (light + 0.05) / (dark + 0.05),
+                    example: `.${token.className} ${token.textContent.trim().slice(0, 30)}`});
+  }
+  return [...found].filter(([, v]) => v.ratio < 4.5)
+    .map(([key, v]) => `rgb ${key}: ${v.ratio.toFixed(2)}:1, e.g. ${v.example}`);
+}"""
+
+# After a resize to phone width: nothing, or the outermost elements that stick out of the
+# screen and how wide the page became.
+PHONE_OVERFLOW_JS = """async () => {
+  await new Promise(resolve => requestAnimationFrame(() => requestAnimationFrame(resolve)));
+  const width = document.documentElement.clientWidth;
+  if (document.documentElement.scrollWidth <= width) return [];
+  const sticksOut = el => {
+    if (!el.parentElement || el.closest('mjx-assistive-mml')) return false;  // clipped, unseen
+    if (el.getBoundingClientRect().right <= width + 1) return false;
+    for (let box = el; box; box = box.parentElement) {
+      const style = getComputedStyle(box);
+      if (style.position === 'fixed') return false;  // off-canvas drawers widen no page
+      if (box !== el && style.overflowX !== 'visible')  // scrolled or clipped inside box
+        return box.getBoundingClientRect().right > width + 1;
+    }
+    return true;
+  };
+  const culprits = new Set([...document.body.querySelectorAll('*')].filter(sticksOut));
+  return [...culprits].filter(el => !culprits.has(el.parentElement)).slice(0, 5)  // outermost
+    .map(el => `${el.tagName.toLowerCase()}.${String(el.className).split(' ')[0]} ends at ` +
+               `${Math.round(el.getBoundingClientRect().right)} px: ` +
+               el.textContent.replace(/\\s+/g, ' ').trim().slice(0, 60))
+    .concat([`the page is ${document.documentElement.scrollWidth} px wide on a ${width} px screen`]);
+}"""
+
+MAX_TABS = 3000  # Tab presses at most: far more than any page has focusable elements
+
+
+def keyboard_check(page) -> dict:
+    """Tab from the top of the page until focus has visited every dropdown toggle (or wrapped
+    around); then focus each one (it must show a focus ring), open it with Enter, close it
+    with Enter, and open it with Space.
+    Leaves every dropdown open, so that the accessibility audit sees the solutions too."""
+    toggles = page.evaluate(TOGGLES_JS)
+    if not toggles:
+        return {"toggles": 0, "unreachable": [], "problems": []}
+    page.evaluate(FOCUS_LOG_JS)
+    page.evaluate("() => { document.activeElement && document.activeElement.blur(); scrollTo(0, 0); }")
+    seen: list[str] = []
+    for _ in range(0, MAX_TABS, 50):
+        for _ in range(50):
+            page.keyboard.press("Tab")
+        seen = page.evaluate("() => window.__focused")
+        if set(toggles) <= set(seen) or (seen and seen.count(seen[0]) > 1):  # all seen, or wrapped
+            break
+    unreachable = [t for t in toggles if t not in seen]
+    problems = []
+    for toggle in toggles:
+        if toggle in unreachable:
+            continue
+        page.evaluate("id => document.getElementById(id).focus()", toggle)
+        if not page.evaluate(FOCUS_RING_JS, toggle):
+            problems.append(f"{toggle}: no visible focus ring")
+        states = []
+        for key in ("Enter", "Enter", "Space"):
+            page.keyboard.press(key)
+            states.append(page.evaluate(OPEN_STATE_JS, toggle))
+        if states != [True, False, True]:
+            problems.append(f"{toggle}: open after Enter, Enter, Space = {states}")
+    return {"toggles": len(toggles), "unreachable": unreachable, "problems": problems}
+
+
+def visit(page, url: str, path: str, external: list, html_dir: pathlib.Path, axe_script: str) -> dict:
+    """Open one page and record everything the tests check."""
+    report = collections.defaultdict(list)
+    page.on("console", lambda msg: msg.type == "error" and report["console_errors"].append(msg.text))
+    page.on("pageerror", lambda err: report["console_errors"].append(f"uncaught: {err}"))
+    page.on("requestfailed", lambda req: sb.is_local(req.url) and report["failed_requests"].append(
+        f"{req.url}: {req.failure}"))
+    page.on("response", lambda resp: resp.status >= 400 and sb.is_local(resp.url) and
+            report["failed_requests"].append(f"{resp.url}: HTTP {resp.status}"))
+    report["external_requests"] = external  # filled in by the offline route as the page loads
+    started = time.perf_counter()
+    if target := sb.redirect_target(html_dir, path):
+        # A redirect only: it must land on its target page, which is visited on its own.
+        page.goto(url)
+        page.wait_for_url(url[: -len(path)] + target, timeout=10_000)
+        return {**report, "redirect": target, "seconds": time.perf_counter() - started}
+    report["mathjax_ran"] = sb.open_page(page, url)
+    report["math"] = page.evaluate(MATH_JS)
+    report["broken_images"] = page.evaluate(IMAGES_JS)
+    report["keyboard"] = keyboard_check(page)
+    page.evaluate(axe_script)
+    report["axe"] = page.evaluate(AXE_RUN_JS) + [
+        {"id": "code-color-contrast", "impact": "serious", "nodes": [],
+         "help": f"highlighted code must meet WCAG AA contrast (4.5:1): {problem}"}
+        for problem in page.evaluate(CODE_CONTRAST_JS)]
+    # Last, as a phone: nothing may make the page wider than the screen.
+    page.set_viewport_size(sb.PHONE)
+    report["phone_overflow"] = page.evaluate(PHONE_OVERFLOW_JS)
+    report["seconds"] = time.perf_counter() - started
+    return dict(report)
+
+
+@pytest.fixture(scope="module")
+def site(build):
+    """(html_dir, {page: report}) for every page of the built site."""
+    _, _, out = build
+    html_dir = out / "html"
+    pages = sb.html_pages(html_dir)
+    assert pages, f"no HTML pages in {html_dir}"
+    axe_script = AXE_FILE_PATH.read_text(encoding="utf-8")
+    started = time.perf_counter()
+    try:
+        reports = sb.visit_pages(html_dir, pages, functools.partial(
+            visit, html_dir=html_dir, axe_script=axe_script))
+    except RuntimeError as err:
+        if sb.MISSING_CHROMIUM in str(err):
+            pytest.fail(str(err), pytrace=False)
+        raise
+    print(f"\nbrowser visits: {len(pages)} pages in {time.perf_counter() - started:.1f} s; slowest: "
+          + ", ".join(f"{p} {r['seconds']:.1f} s" for p, r in
+                      sorted(reports.items(), key=lambda kv: -kv[1]["seconds"])[:3]))
+    return html_dir, reports
+
+
+def failures(reports: dict, check, redirects: bool = False) -> dict:
+    """{page: problems} for the pages where check(page, report) returns something; pages that
+    only redirect are left out unless `redirects`."""
+    found = {page: check(page, report) for page, report in reports.items()
+             if redirects or "redirect" not in report}
+    return {page: problems for page, problems in found.items() if problems}
+
+
+def format_failures(found: dict) -> str:
+    return "\n".join(f"{page}:\n  " + "\n  ".join(map(str, problems)) for page, problems in found.items())
+
+
+# --- the tests -----------------------------------------------------------------------------------
+
+def test_chromium_is_installed():
+    assert sb.CHROMIUM.is_file(), sb.MISSING_CHROMIUM
+
+
+def test_math_is_typeset_offline_without_errors(site):
+    html_dir, reports = site
+
+    def check(page, report):
+        math = report["math"]
+        problems = []
+        if sb.page_has_math(html_dir / page):
+            if not report["mathjax_ran"]:
+                problems.append("the page has math but MathJax did not run (not shipped with the site?)")
+            if math["containers"] == 0:
+                problems.append("no mjx-container: nothing was typeset")
+        if math["untypeset"]:
+            problems.append(f"{len(math['untypeset'])} of {math['elements']} formulas not typeset, "
+                            f"e.g. {math['untypeset'][:3]}")
+        problems += [f"MathJax error: {e}" for e in math["errors"]]
+        if math["raw"]:
+            problems.append(f"raw TeX left in the text, {len(math['raw'])} times, e.g. {math['raw'][:3]}")
+        return problems
+
+    found = failures(reports, check)
+    assert not found, "math problems:\n" + format_failures(found)
+    assert any(r.get("math", {}).get("containers") for r in reports.values()), "no page typeset any math"
+
+
+def test_every_image_loads(site):
+    _, reports = site
+    found = failures(reports, lambda page, r: [f"image not loaded: {src}" for src in r["broken_images"]])
+    assert not found, format_failures(found)
+
+
+def test_no_failed_or_external_request(site):
+    _, reports = site
+    found = failures(reports, lambda page, r: r.get("failed_requests", []) + [
+        f"needs the network: {url}" for url in r["external_requests"]], redirects=True)
+    assert not found, format_failures(found)
+
+
+def test_no_console_error(site):
+    _, reports = site
+    found = failures(reports, lambda page, r: r.get("console_errors", []), redirects=True)
+    assert not found, format_failures(found)
+
+
+def test_no_serious_or_critical_accessibility_violation(site):
+    _, reports = site
+    found = failures(reports, lambda page, r: [
+        f"{v['impact']} {v['id']}: {v['help']}" + (f" at {v['nodes']}" if v["nodes"] else "")
+        for v in r["axe"]])
+    assert not found, "axe-core violations:\n" + format_failures(found)
+
+
+def test_keyboard_reaches_and_opens_every_dropdown(site):
+    _, reports = site
+    with_toggles = {p: r["keyboard"] for p, r in reports.items()
+                    if "redirect" not in r and r["keyboard"]["toggles"]}
+    chapters_with_solutions = [p for p in reports if "solution dropdown" in
+                               (site[0] / p).read_text(encoding="utf-8")]
+    assert set(chapters_with_solutions) <= set(with_toggles), "solution dropdowns without a toggle button"
+    found = failures(with_toggles, lambda page, k: [f"Tab never reaches {t}" for t in k["unreachable"]]
+                     + k["problems"])
+    assert not found, format_failures(found)
+
+
+def test_no_page_scrolls_sideways_on_a_phone(site):
+    _, reports = site
+    found = failures(reports, lambda page, r: r["phone_overflow"])
+    assert not found, f"wider than a {sb.PHONE['width']} px phone:\n" + format_failures(found)
+
+
+# --- link integrity (a crawl of the files, no browser) -------------------------------------------
+
+class _LinksAndIds(html.parser.HTMLParser):
+    LINK_ATTRS = {"a": "href", "link": "href", "area": "href", "img": "src", "script": "src",
+                  "iframe": "src", "source": "src", "video": "src", "audio": "src"}
+
+    def __init__(self):
+        super().__init__(convert_charrefs=True)
+        self.links: list[str] = []
+        self.ids: set[str] = set()
+        self.images: list[tuple[str, str | None]] = []  # (src, alt)
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if attrs.get("id"):
+            self.ids.add(attrs["id"])
+        if tag == "a" and attrs.get("name"):
+            self.ids.add(attrs["name"])
+        if tag == "img":
+            self.images.append((attrs.get("src") or "", attrs.get("alt")))
+        url = attrs.get(self.LINK_ATTRS.get(tag, ""))
+        if tag == "meta" and (attrs.get("http-equiv") or "").lower() == "refresh":
+            url = (attrs.get("content") or "").partition("url=")[2]
+        if url:
+            self.links.append(url.strip())
+
+
+def parse_html(path: pathlib.Path) -> _LinksAndIds:
+    parser = _LinksAndIds()
+    parser.feed(path.read_text(encoding="utf-8"))
+    return parser
+
+
+def crawl(html_dir: pathlib.Path) -> tuple[list[str], dict[str, set[str]]]:
+    """(broken internal links, {external URL: pages linking it}) over every page of the site."""
+    parsed = {page: parse_html(html_dir / page) for page in sb.html_pages(html_dir)}
+    broken, external = [], collections.defaultdict(set)
+    for page, doc in parsed.items():
+        for url in doc.links:
+            parts = urllib.parse.urlsplit(url)
+            if parts.scheme in {"http", "https"} or url.startswith("//"):
+                external[url].add(page)
+                continue
+            if parts.scheme:  # mailto:, javascript:, data:
+                continue
+            target = page
+            if parts.path:
+                target = posixpath.normpath(posixpath.join(posixpath.dirname(page),
+                                                           urllib.parse.unquote(parts.path)))
+            if parts.path.endswith("/") or (html_dir / target).is_dir():
+                target = posixpath.join(target, "index.html")
+            if target.startswith("..") or not (html_dir / target).is_file():
+                broken.append(f"{page}: {url} (no file {target})")
+                continue
+            fragment = urllib.parse.unquote(parts.fragment)
+            if fragment and target.endswith(".html"):
+                ids = parsed[target].ids if target in parsed else parse_html(html_dir / target).ids
+                if fragment not in ids:
+                    broken.append(f"{page}: {url} (no id {fragment!r} in {target})")
+    return broken, external
+
+
+def test_every_figure_has_alt_text_that_describes_it(build):
+    """Figures (the images in _images/) need alt text that says what they show: at least a few
+    words, and not the file name that myst-nb puts there when a cell sets none."""
+    _, _, out = build
+    html_dir = out / "html"
+    missing = []
+    for page in sb.html_pages(html_dir):
+        for src, alt in parse_html(html_dir / page).images:
+            if "_images/" not in src:
+                continue
+            words = (alt or "").split()
+            if len(words) < 3 or re.search(r"\.(svg|png|jpe?g|gif)$", alt.strip(), re.IGNORECASE):
+                missing.append(f"{page}: {src} has alt {alt!r}")
+    assert not missing, "figures without a description:\n" + "\n".join(missing)
+
+
+def test_internal_links_and_anchors_resolve_and_external_links_are_listed(build):
+    _, _, out = build
+    broken, external = crawl(out / "html")
+    report = out / "external-links.txt"
+    report.write_text(
+        "# External links of the built site, to check by hand when a network exists.\n"
+        "# URL <tab> pages that link it\n"
+        + "".join(f"{url}\t{' '.join(sorted(pages))}\n" for url, pages in sorted(external.items())),
+        encoding="utf-8")
+    print(f"\n{len(external)} external links listed in {report}")
+    assert not broken, f"{len(broken)} broken internal links:\n" + "\n".join(broken)
