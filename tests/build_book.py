@@ -16,6 +16,7 @@ import os
 import sys
 
 import jupyter_book.sphinx
+import sphinx.builders
 import sphinx_jupyterbook_latex
 import sphinx_multitoc_numbering
 from sphinx_proof.domain import ProofDomain
@@ -55,6 +56,20 @@ def _merge_nothing(self, docnames, otherdata):
 
 # sphinx-proof says it is parallel safe but leaves Domain.merge_domaindata unimplemented.
 ProofDomain.merge_domaindata = _merge_nothing
+
+
+
+def _one_page_per_chunk(docnames, nproc, maxbatch=10):
+    """Hand the worker processes one page at a time.
+
+    Sphinx splits the pages into nproc equal-sized batches up front; with a few slow chapters
+    among quick pages, one process can get most of the chapters while the other idles. With
+    one page per batch a free process takes the next page as soon as it is done.
+    """
+    return [[docname] for docname in docnames]
+
+
+sphinx.builders.make_chunks = _one_page_per_chunk
 
 if __name__ == "__main__":
     sys.exit(main(["build", *sys.argv[1:]]))
