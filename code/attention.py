@@ -62,6 +62,8 @@ def softmax(scores: Tensor, dim: int = -1) -> Tensor:
         raise TypeError(
             f"softmax expects a floating-point tensor, got {_describe(scores)}"
         )
+    if scores.shape[dim] == 0:  # nothing to weigh (no keys at all)
+        return torch.zeros_like(scores)
     top = scores.amax(dim=dim, keepdim=True)
     # An all -inf slice has top = -inf, and exp(-inf - (-inf)) is NaN:
     # shift such a slice by 0 instead.

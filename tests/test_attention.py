@@ -242,6 +242,13 @@ class TestScaledDotProductAttention:
         assert (w[0, 1] == 0).all() and (w[1] == 0).all()
         torch.testing.assert_close(out, reference(q, k, v, attn_mask=mask))
 
+    @pytest.mark.parametrize("L,S", [(3, 0), (0, 3), (0, 0)])
+    def test_empty_sequences_match_torch(self, L, S):
+        q, k, v = qkv((2,), L, S, 4, 5, seed=24)
+        out, w = scaled_dot_product_attention(q, k, v)
+        assert out.shape == (2, L, 5) and w.shape == (2, L, S)
+        torch.testing.assert_close(out, reference(q, k, v))  # no keys: a zero output
+
     @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
     def test_half_precision(self, dtype):
         q, k, v = qkv((2, 2), 6, 7, 16, 8, dtype=dtype, seed=14)
