@@ -101,3 +101,10 @@ class TestChapter:
         assert re.search(r"```\{solution-start\}(?:.|\n)*?```\{code-cell\}", text), (
             "no solution with code: at least one coding exercise must check itself"
         )
+
+    def test_timing_cells_are_tagged_wall_clock(self, path):
+        # A cell that measures running time gives different numbers on every build; the tag
+        # tells the determinism test (tests/test_book.py) that this page may change.
+        text = path.read_text()
+        if re.search(r"perf_counter|time\.time\(|timeit", text):
+            assert re.search(r"tags: \[[^\]]*wall-clock", text), "timing cell without a wall-clock tag"
