@@ -8,8 +8,18 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def toc_docs() -> list[str]:
+    """The root page and every file of _toc.yml, in reading order."""
+    toc = yaml.safe_load((ROOT / "_toc.yml").read_text())
+    entries = list(toc.get("chapters", []))
+    for part in toc.get("parts", []):
+        entries += part["chapters"]
+    return [toc["root"]] + [entry["file"] for entry in entries]
 
 
 def build_book(out: pathlib.Path):

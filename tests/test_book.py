@@ -12,22 +12,12 @@ import pickle
 import re
 
 import pytest
-import yaml
-from conftest import build_book
+from conftest import build_book, toc_docs as toc_files
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MAX_CHAPTER_SECONDS = 20.0
 
 pytestmark = pytest.mark.book
-
-
-def toc_files() -> list[str]:
-    """The root page and every file of _toc.yml, in reading order."""
-    toc = yaml.safe_load((ROOT / "_toc.yml").read_text())
-    entries = list(toc.get("chapters", []))
-    for part in toc.get("parts", []):
-        entries += part["chapters"]
-    return [toc["root"]] + [entry["file"] for entry in entries]
 
 
 def test_build_succeeds_without_warnings(build):

@@ -6,7 +6,8 @@ import pathlib
 import re
 
 import pytest
-import yaml
+
+from conftest import toc_docs
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CHAPTERS = ROOT / "chapters"
@@ -24,15 +25,6 @@ import torch
 torch.set_printoptions(precision=3, sci_mode=False)
 torch.set_num_threads(1)  # small tensors: one thread is as fast, and chapters can run side by side
 ```'''
-
-
-def toc_docs() -> list[str]:
-    """The root page and every file of _toc.yml, in reading order."""
-    toc = yaml.safe_load((ROOT / "_toc.yml").read_text())
-    entries = list(toc.get("chapters", []))
-    for part in toc.get("parts", []):
-        entries += part["chapters"]
-    return [toc["root"]] + [entry["file"] for entry in entries]
 
 
 def numbered_chapters() -> list[pathlib.Path]:
