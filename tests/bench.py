@@ -15,6 +15,7 @@ The table is printed and written to _build/bench.md.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import pathlib
 import pickle
@@ -83,14 +84,19 @@ def site_size(html: pathlib.Path) -> tuple[float, str, float]:
     return total, str(heaviest.relative_to(html)), weight(heaviest) / 2**20
 
 
-def best_of(fn, repeats: int = 20) -> float:
-    fn()  # warm up
-    times = []
+def best_of_alternating(mine, ref, repeats: int = 30) -> tuple[float, float]:
+    """Best time of each of two functions, run in alternation so that both see the same
+    machine (a shared machine's speed drifts between one loop and the next)."""
+    mine(), ref()  # warm up
+    best_mine = best_ref = math.inf
     for _ in range(repeats):
         start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+        mine()
+        best_mine = min(best_mine, time.perf_counter() - start)
+        start = time.perf_counter()
+        ref()
+        best_ref = min(best_ref, time.perf_counter() - start)
+    return best_mine, best_ref
 
 
 def forward_ratios() -> list[tuple[str, float, float, float]]:
@@ -101,21 +107,23 @@ def forward_ratios() -> list[tuple[str, float, float, float]]:
     from attention import MultiHeadAttention, scaled_dot_product_attention
 
     torch.manual_seed(0)
+    torch.set_num_threads(1)  # one thread: far steadier timings on a shared 2-core machine
     rows = []
     for B, H, L, E in [(8, 8, 128, 64), (4, 8, 512, 64), (1, 8, 1024, 64)]:
         q, k, v = (torch.randn(B, H, L, E) for _ in range(3))
-        with torch.no_grad():
-            mine = best_of(lambda: scaled_dot_product_attention(q, k, v, is_causal=True))
-            with sdpa_kernel(SDPBackend.MATH):
-                ref = best_of(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+        with torch.no_grad(), sdpa_kernel(SDPBackend.MATH):
+            mine, ref = best_of_alternating(
+                lambda: scaled_dot_product_attention(q, k, v, is_causal=True),
+                lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
         rows.append((f"SDPA B={B} H={H} L=S={L} E={E}, causal", mine * 1e3, ref * 1e3, mine / ref))
     for B, L, D, H in [(8, 128, 256, 8), (2, 512, 256, 8)]:
         ref_module = torch.nn.MultiheadAttention(D, H, batch_first=True).eval()
         module = MultiHeadAttention.from_torch(ref_module).eval()
         x = torch.randn(B, L, D)
         with torch.no_grad():
-            mine = best_of(lambda: module(x, x, x))
-            ref = best_of(lambda: ref_module(x, x, x, average_attn_weights=False))
+            mine, ref = best_of_alternating(
+                lambda: module(x, x, x),
+                lambda: ref_module(x, x, x, average_attn_weights=False))
         rows.append((f"MHA B={B} L={L} d_model={D} H={H}, weights returned", mine * 1e3, ref * 1e3, mine / ref))
     return rows
 
@@ -153,7 +161,7 @@ def main() -> None:
             f"| heaviest page (HTML + its images) | {heaviest}, {heaviest_mb:.2f} MiB |",
             "",
         ]
-    lines += ["| forward pass (CPU, no grad, best of 20) | module ms | PyTorch ms | ratio |",
+    lines += ["| forward pass (CPU, 1 thread, no grad, best of 30) | module ms | PyTorch ms | ratio |",
               "| --- | ---: | ---: | ---: |"]
     lines += [f"| {name} | {mine:.2f} | {ref:.2f} | {ratio:.2f} |"
               for name, mine, ref, ratio in forward_ratios()]
