@@ -164,7 +164,7 @@ def scaled_dot_product_attention(
     if compute_dtype in _HALF_DTYPES:
         compute_dtype = torch.float32
     q, k = query.to(compute_dtype), key.to(compute_dtype)
-    # Scaling the queries (L x E numbers) costs less than scaling the scores (L x S).
+    # Scaling the queries (L x E numbers) is cheaper than the scores (L x S).
     scores = (q * scale) @ k.transpose(-2, -1)  # (..., L, S)
 
     if attn_mask is not None:
@@ -300,9 +300,12 @@ class MultiHeadAttention(nn.Module):
 
         Returns output ``(B, L, D)`` and weights ``(B, H, L, S)``.
         ``attn_mask`` broadcasts to ``(B, H, L, S)``: ``(L, S)`` for one
-        mask shared by all, ``(B, 1, 1, S)`` for key padding.
+        mask shared by all, ``(B, 1, 1, S)`` for key padding. A 3-D mask
+        is read as PyTorch's module reads it, ``(B * H, L, S)``.
         """
         self._check_inputs(query, key, value)
+        if attn_mask is not None and attn_mask.dim() == 3:
+            attn_mask = self._unflatten_heads(attn_mask, query, key)
         q = self._split_heads(self.q_proj(query))  # (B, H, L, head_dim)
         k = self._split_heads(self.k_proj(key))  # (B, H, S, head_dim)
         v = self._split_heads(self.v_proj(value))  # (B, H, S, head_dim)
@@ -323,6 +326,19 @@ class MultiHeadAttention(nn.Module):
         """(B, H, T, head_dim) -> (B, T, D), the inverse of _split_heads."""
         B, _, T, _ = x.shape
         return x.transpose(1, 2).reshape(B, T, self.d_model)  # (B, T, D)
+
+    def _unflatten_heads(self, attn_mask: Tensor, query: Tensor, key: Tensor):
+        """(B * H, L, S) -> (B, H, L, S). Broadcasting a 3-D mask against
+        (B, H, L, S) would pair its first axis with the heads, silently."""
+        B, L, S = query.shape[0], query.shape[1], key.shape[1]
+        H = self.num_heads
+        if tuple(attn_mask.shape) != (B * H, L, S):
+            raise ValueError(
+                f"a 3-D attn_mask must be (B * num_heads, L, S) = "
+                f"{(B * H, L, S)}, got {tuple(attn_mask.shape)}; for one mask "
+                f"per sequence use (B, 1, L, S)"
+            )
+        return attn_mask.view(B, H, L, S)
 
     def _check_inputs(self, query: Tensor, key: Tensor, value: Tensor):
         shapes = (f"query {tuple(query.shape)}, key {tuple(key.shape)}, "

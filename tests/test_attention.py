@@ -378,6 +378,13 @@ class TestErrors:
         with pytest.raises(ValueError, match=match):
             mha(*(torch.randn(*s) for s in shapes))
 
+    def test_mha_3d_mask_that_is_not_batch_times_heads(self):
+        # (B, L, S) with B == H would otherwise broadcast over the heads, silently.
+        mha = MultiHeadAttention(8, 2)
+        x = torch.randn(2, 3, 8)
+        with pytest.raises(ValueError, match=r"\(B \* num_heads, L, S\) = \(4, 3, 3\)"):
+            mha(x, x, x, attn_mask=torch.ones(2, 3, 3, dtype=torch.bool))
+
     def test_mha_mask_that_does_not_broadcast(self):
         mha = MultiHeadAttention(8, 2)
         x = torch.randn(2, 3, 8)
@@ -449,6 +456,18 @@ class TestMultiHeadAttention:
         keep = padding_mask([6, 2, 4], 6)  # (B, S)
         out_ref, w_ref = ref(x, z, z, key_padding_mask=~keep, average_attn_weights=False)
         out, w = mine(x, z, z, attn_mask=keep[:, None, None, :])
+        torch.testing.assert_close(out, out_ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(w, w_ref, atol=1e-5, rtol=1e-5)
+
+    def test_3d_mask_is_batch_times_heads_as_in_torch(self):
+        ref = torch_mha(8, 2, seed=45)
+        mine = MultiHeadAttention.from_torch(ref)
+        g = torch.Generator().manual_seed(46)
+        x = torch.randn(3, 4, 8, generator=g)
+        keep = torch.rand(3 * 2, 4, 4, generator=g) > 0.3
+        keep[..., 0] = True  # no empty rows: PyTorch's module gives NaN there
+        out_ref, w_ref = ref(x, x, x, attn_mask=~keep, average_attn_weights=False)
+        out, w = mine(x, x, x, attn_mask=keep)
         torch.testing.assert_close(out, out_ref, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(w, w_ref, atol=1e-5, rtol=1e-5)
 
