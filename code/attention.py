@@ -306,24 +306,24 @@ class MultiHeadAttention(nn.Module):
         self._check_inputs(query, key, value)
         if attn_mask is not None and attn_mask.dim() == 3:
             attn_mask = self._unflatten_heads(attn_mask, query, key)
-        q = self._split_heads(self.q_proj(query))  # (B, H, L, head_dim)
-        k = self._split_heads(self.k_proj(key))  # (B, H, S, head_dim)
-        v = self._split_heads(self.v_proj(value))  # (B, H, S, head_dim)
+        q = self.split_heads(self.q_proj(query))  # (B, H, L, head_dim)
+        k = self.split_heads(self.k_proj(key))  # (B, H, S, head_dim)
+        v = self.split_heads(self.v_proj(value))  # (B, H, S, head_dim)
         heads, weights = scaled_dot_product_attention(
             q, k, v, attn_mask=attn_mask, is_causal=is_causal,
             dropout_p=self.dropout if self.training else 0.0,
         )  # (B, H, L, head_dim), (B, H, L, S)
-        output = self.out_proj(self._merge_heads(heads))  # (B, L, D)
+        output = self.out_proj(self.merge_heads(heads))  # (B, L, D)
         return output, weights
 
-    def _split_heads(self, x: Tensor) -> Tensor:
+    def split_heads(self, x: Tensor) -> Tensor:
         """(B, T, D) -> (B, H, T, head_dim); head h: h-th slice of D."""
         B, T, _ = x.shape
         x = x.view(B, T, self.num_heads, self.head_dim)  # (B, T, H, head_dim)
         return x.transpose(1, 2)  # (B, H, T, head_dim)
 
-    def _merge_heads(self, x: Tensor) -> Tensor:
-        """(B, H, T, head_dim) -> (B, T, D), the inverse of _split_heads."""
+    def merge_heads(self, x: Tensor) -> Tensor:
+        """(B, H, T, head_dim) -> (B, T, D), the inverse of split_heads."""
         B, _, T, _ = x.shape
         return x.transpose(1, 2).reshape(B, T, self.d_model)  # (B, T, D)
 
