@@ -13,7 +13,7 @@ PORT   ?= 8000
 # references nitpicky (-n), and all warnings reported before failing (--keep-going).
 JB_FLAGS := --all -W -n --keep-going
 
-.PHONY: book html bench test test-code clean serve venv chapter
+.PHONY: book html bench test test-code clean serve venv chapter screenshots
 
 venv: $(STAMP)
 
@@ -59,7 +59,6 @@ chapter: $(STAMP)
 # Full-page screenshots of every page at desktop (1280 px) and phone (390 px) width, offline,
 # into _build/screenshots/ (builds the book first when _build/html is missing). Needs Debian's
 # chromium, as the site tests do.
-.PHONY: screenshots
 screenshots: $(STAMP)
 	test -f _build/html/index.html || $(MAKE) book
 	$(BIN)/python tests/screenshots.py _build/html _build/screenshots

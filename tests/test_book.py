@@ -12,7 +12,7 @@ import pickle
 import re
 
 import pytest
-from conftest import build_book, toc_docs as toc_files
+from conftest import build_book, toc_docs
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MAX_CHAPTER_SECONDS = 20.0
@@ -32,7 +32,7 @@ def test_build_succeeds_without_warnings(build):
 
 def test_every_page_in_the_toc_is_built(build):
     _, _, out = build
-    for doc in toc_files():
+    for doc in toc_docs():
         assert (out / "html" / f"{doc}.html").is_file(), doc
 
 
@@ -46,7 +46,7 @@ def executed_notebooks(out: pathlib.Path) -> dict[str, dict]:
 def test_every_code_cell_was_executed(build):
     _, _, out = build
     notebooks = executed_notebooks(out)
-    chapters = [doc for doc in toc_files() if (ROOT / f"{doc}.md").read_text().startswith("---\njupytext")]
+    chapters = [doc for doc in toc_docs() if (ROOT / f"{doc}.md").read_text().startswith("---\njupytext")]
     assert sorted(notebooks) == sorted(chapters)
     for name, nb in notebooks.items():
         code_cells = [c for c in nb["cells"] if c["cell_type"] == "code"]
@@ -73,7 +73,7 @@ def test_each_chapter_executes_in_under_20_seconds(build):
 def test_figures_are_reproducible_svg(build):
     _, _, out = build
     svgs = list((out / "html" / "_images").glob("*.svg"))
-    chapters = [doc for doc in toc_files() if doc.split("/")[-1][:2].isdigit()]
+    chapters = [doc for doc in toc_docs() if doc.split("/")[-1][:2].isdigit()]
     if chapters:
         assert svgs, "chapters exist but no SVG figure was written"
     for svg in svgs:
@@ -83,7 +83,7 @@ def test_figures_are_reproducible_svg(build):
 
 def wall_clock_pages() -> set[str]:
     """Pages with cells tagged `wall-clock`: they time code, so their numbers vary by design."""
-    return {f"{doc}.html" for doc in toc_files()
+    return {f"{doc}.html" for doc in toc_docs()
             if re.search(r"tags: \[[^\]]*wall-clock", (ROOT / f"{doc}.md").read_text())}
 
 
