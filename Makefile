@@ -13,7 +13,8 @@ PORT   ?= 8000
 # references nitpicky (-n), and all warnings reported before failing (--keep-going).
 JB_FLAGS := --all -W -n --keep-going
 
-.PHONY: book html bench test test-code clean serve venv chapter screenshots
+.PHONY: book html bench test test-code clean serve venv chapter screenshots notebooks student \
+        assignments
 
 venv: $(STAMP)
 
@@ -25,8 +26,24 @@ $(STAMP): requirements.txt
 # tests/build_book.py is `jupyter-book build` with Sphinx's parallel reading, so chapters
 # execute side by side on all cores (BOOK_JOBS=1 for one at a time).
 book: $(STAMP)
-	rm -rf _build/html _build/.doctrees _build/jupyter_execute
+	rm -rf _build/html _build/.doctrees _build/jupyter_execute _build/notebooks
 	$(BIN)/python tests/build_book.py . $(JB_FLAGS)
+
+# The chapter notebooks that Colab, Binder and the download button give readers: every build
+# writes them (_ext/notebooks.py) to _build/notebooks/; this copies them into chapters/, where they
+# are committed. tests/test_book.py fails while the committed ones differ from the build's.
+notebooks: book
+	cp _build/notebooks/chapters/*.ipynb chapters/
+
+# One notebook per chapter for students, in _build/student/: solutions out, stubs and checks in.
+student: $(STAMP)
+	rm -rf _build/student
+	$(BIN)/python tests/classroom.py student _build/student
+
+# An nbgrader course directory in _build/nbgrader/ (see chapters/instructors.md).
+assignments: $(STAMP)
+	rm -rf _build/nbgrader
+	$(BIN)/python tests/classroom.py assignments _build/nbgrader
 
 # Incremental: re-reads (and re-executes) only pages whose source, or code/attention.py, changed.
 html: $(STAMP)

@@ -11,7 +11,10 @@ import pathlib
 import pickle
 import re
 
+import nbformat
 import pytest
+
+import classroom
 from conftest import build_book, toc_docs
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -106,8 +109,42 @@ def test_two_builds_give_identical_pages(build, tmp_path):
                           if name.endswith(".html") and name not in timed)
     changed = {name for name in first.keys() | second.keys() if first.get(name) != second.get(name)}
     allowed = set(timed) | ({"searchindex.js"} if timed else set())
+    # and the download notebook of such a page, which carries its outputs
+    allowed |= {f"_sources/{page.removesuffix('.html')}.ipynb" for page in timed}
     for name in changed - allowed:
         image = pathlib.PurePosixPath(name)
         # A timing figure: shown on a wall-clock page and on no other page.
         assert (image.parent.name == "_images" and image.name.encode() in timed_text
                 and image.name.encode() not in other_text), f"{name} changed between two builds"
+
+
+def test_committed_notebooks_are_the_builds(build):
+    """chapters/*.ipynb, which Colab and Binder open, are what this build writes."""
+    _, _, out = build
+    built = sorted((out / "notebooks" / "chapters").glob("*.ipynb"))
+    committed = classroom.chapter_notebooks()
+    assert [p.name for p in built] == [p.name for p in committed]
+    for mine, theirs in zip(built, committed):
+        assert mine.read_text() == theirs.read_text(), (
+            f"chapters/{theirs.name} is stale: run `make notebooks` and commit it")
+
+
+def test_launch_and_download_buttons_give_the_notebooks(build):
+    _, _, out = build
+    repo = classroom.repository()
+    where, ref = f"{repo['org']}/{repo['repo']}", repo["ref"]
+    for path in classroom.chapter_notebooks():
+        name = path.stem
+        html = (out / "html" / "chapters" / f"{name}.html").read_text()
+        assert (f'href="https://colab.research.google.com/github/{where}/blob/{ref}/'
+                f'chapters/{name}.ipynb"') in html
+        assert (f'href="https://mybinder.org/v2/gh/{where}/{ref}?urlpath=lab/tree/'
+                f'chapters/{name}.ipynb"') in html
+        assert f'href="../_sources/chapters/{name}.ipynb"' in html
+        download = nbformat.read(out / "html" / "_sources" / "chapters" / f"{name}.ipynb", 4)
+        committed = nbformat.read(path, 4)
+        # The same cells as the notebook that runs alone in tests/test_classroom.py, with the
+        # outputs this build produced.
+        assert [c.source for c in download.cells] == [c.source for c in committed.cells]
+        outputs = [o for c in download.cells if c.cell_type == "code" for o in c.outputs]
+        assert outputs and all(o.output_type != "error" for o in outputs)

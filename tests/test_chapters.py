@@ -7,24 +7,13 @@ import re
 
 import pytest
 
+from classroom import setup_cell
 from conftest import toc_docs
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CHAPTERS = ROOT / "chapters"
 
-SETUP_CELL = '''```{code-cell} ipython3
-:tags: [remove-cell]
-# Setup, hidden in the book: make code/attention.py importable; reproducible SVG figures.
-import pathlib, sys
-sys.path.insert(0, str(pathlib.Path.cwd().parent / "code"))
-%config InlineBackend.figure_formats = ["svg"]
-%config InlineBackend.print_figure_kwargs = {"bbox_inches": "tight", "metadata": {"Date": None}}
-import matplotlib
-matplotlib.rcParams.update({"svg.hashsalt": "attention-computed", "image.cmap": "viridis"})
-import torch
-torch.set_printoptions(precision=3, sci_mode=False)
-torch.set_num_threads(1)  # small tensors: one thread is as fast, and chapters can run side by side
-```'''
+SETUP_CELL = setup_cell()  # tests/classroom.py renders it with the URL from _config.yml
 
 
 def numbered_chapters() -> list[pathlib.Path]:
@@ -57,7 +46,9 @@ class TestChapter:
     def test_setup_cell_is_the_shared_one(self, path):
         text = path.read_text()
         first = text.index("```{code-cell}")
-        assert text[first:first + len(SETUP_CELL)] == SETUP_CELL
+        assert text[first:first + len(SETUP_CELL)] == SETUP_CELL, (
+            "the first cell differs from tests/classroom.py's template (after changing "
+            "_config.yml's repository, run `python tests/classroom.py setup-cell`)")
 
     def test_imports_the_module_and_defines_no_copy(self, path):
         text = path.read_text()

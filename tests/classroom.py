@@ -1,0 +1,313 @@
+"""Classroom material made from the chapters: the shared setup cell, exercise stubs, student
+notebooks (`make student`) and an nbgrader course (`make assignments`).
+
+The chapter notebooks in chapters/*.ipynb are the starting point; they are written by the book
+build (see _ext/notebooks.py) and kept in sync with the MyST sources by tests/test_book.py.
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+import pathlib
+import re
+
+import yaml
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+CHAPTERS = ROOT / "chapters"
+
+# What a student finds in place of a solution's function body. nbgrader is told to write the
+# same stub (see nbgrader_config.py in `make assignments`), so both routes look alike.
+STUB_BODY = "# YOUR CODE HERE\nraise NotImplementedError()"
+
+
+def repository() -> dict[str, str]:
+    """The published repository, from _config.yml: the one place it is written down."""
+    config = yaml.safe_load((ROOT / "_config.yml").read_text())["repository"]
+    match = re.fullmatch(r"https://github\.com/([^/]+)/([^/]+?)/?", config["url"])
+    assert match, f"_config.yml: repository.url must be a GitHub URL, got {config['url']!r}"
+    org, repo = match.groups()
+    ref = str(config.get("branch", "main"))
+    return {"url": config["url"], "org": org, "repo": repo, "ref": ref,
+            "raw": f"https://raw.githubusercontent.com/{org}/{repo}/{ref}/"}
+
+
+# The first cell of every chapter, byte for byte; @RAW@ is the raw-file address of the
+# repository at the book's ref. In the book the module is importable and the fetch never runs.
+SETUP_CELL_TEMPLATE = '''```{code-cell} ipython3
+:tags: [remove-cell]
+# Setup, hidden in the book. Makes code/attention.py importable: from the repository when the
+# notebook sits in it, else (Colab, a download) fetched once into this folder. Without myst_nb,
+# glue() just shows its value. Then: reproducible SVG figures, short tensor printing.
+import os, pathlib, sys, urllib.request
+sys.path.insert(0, str(pathlib.Path.cwd().parent / "code"))
+try:
+    import attention
+except ModuleNotFoundError:
+    url = os.environ.get("ATTENTION_PY_URL") or (  # the published module, at the book's ref
+        "@RAW@"
+        "code/attention.py")
+    try:
+        urllib.request.urlretrieve(url, "attention.py")
+    except OSError as err:
+        raise RuntimeError(f"could not fetch {url}: {err}. Upload code/attention.py next "
+                           "to this notebook, or set ATTENTION_PY_URL to its address.") from None
+    sys.path.insert(0, os.getcwd())
+    import attention
+try:
+    import myst_nb
+except ImportError:
+    import types, IPython.display
+    sys.modules["myst_nb"] = myst_nb = types.ModuleType("myst_nb")
+    myst_nb.glue = lambda name, value, display=True: (
+        IPython.display.display(value) if display else None)
+%config InlineBackend.figure_formats = ["svg"]
+%config InlineBackend.print_figure_kwargs = {"bbox_inches": "tight", "metadata": {"Date": None}}
+import matplotlib
+matplotlib.rcParams.update({"svg.hashsalt": "attention-computed", "image.cmap": "viridis"})
+import torch
+torch.set_printoptions(precision=3, sci_mode=False)
+torch.set_num_threads(1)  # small tensors: one thread is as fast, and chapters can run side by side
+```'''
+
+
+def setup_cell() -> str:
+    return SETUP_CELL_TEMPLATE.replace("@RAW@", repository()["raw"])
+
+
+def numbered_chapters() -> list[pathlib.Path]:
+    return sorted(CHAPTERS.glob("[0-9][0-9]-*.md"))
+
+
+def write_setup_cells() -> None:
+    """Rewrite the first cell of every chapter from the template (after _config.yml moves)."""
+    for path in numbered_chapters():
+        text = path.read_text()
+        start = text.index("```{code-cell}")
+        end = text.index("\n```", start) + len("\n```")
+        path.write_text(text[:start] + setup_cell() + text[end:])
+
+
+# ---------------------------------------------------------------------------------------------
+# Exercise stubs
+
+
+def _split_solution(source: str):
+    """Yield (kind, lines) for the top-level statements of a solution cell.
+
+    kind is "import", "def" (with the header, docstring and body lines separated) or "check"
+    (a call of a check_* function); everything else is "other".
+    """
+    lines = source.splitlines()
+    tree = ast.parse(source)
+    for node in tree.body:
+        first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
+        chunk = lines[first - 1:node.end_lineno]
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield "import", chunk
+        elif isinstance(node, ast.FunctionDef):
+            body = node.body
+            has_doc = (isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+                       and isinstance(body[0].value.value, str))
+            head_end = (body[0].end_lineno if has_doc else body[0].lineno - 1)
+            if len(body) == int(has_doc):
+                raise ValueError(f"{node.name} has no body to replace")
+            head = lines[first - 1:head_end]
+            rest = lines[head_end:node.end_lineno]
+            indent = re.match(r"\s*", lines[body[int(has_doc)].lineno - 1]).group()
+            yield "def", (head, rest, indent, node.name)
+        elif (isinstance(node, ast.Expr) and isinstance(node.value, ast.Call)
+              and isinstance(node.value.func, ast.Name)
+              and node.value.func.id.startswith("check_")):
+            yield "check", chunk
+        else:
+            yield "other", chunk
+
+
+def stub_code(source: str) -> tuple[str, str] | None:
+    """A solution cell as a student gets it: (stub cell, check cell), or None.
+
+    Every function the cell defines keeps its signature and docstring and has its body replaced
+    by STUB_BODY; imports stay; calls of check_* functions move to a cell of their own; anything
+    else goes. A cell that defines no function, or calls no check at its top level (such as a
+    demonstration that a check rejects a wrong answer), is not an answer and gives None.
+    """
+    imports, defs, checks = [], [], []
+    for kind, chunk in _split_solution(source):
+        if kind == "import":
+            imports += chunk
+        elif kind == "def":
+            head, _, indent, _ = chunk
+            defs.append("\n".join(head + [indent + line for line in STUB_BODY.splitlines()]))
+        elif kind == "check":
+            checks += chunk
+    if not defs or not checks:  # no check call: a demonstration, not an answer
+        return None
+    return "\n\n\n".join(["\n".join(imports)] * bool(imports) + defs), "\n".join(checks)
+
+
+def solution_region_code(source: str) -> str:
+    """The definitions of a solution cell with each body inside nbgrader's solution markers."""
+    imports, defs = [], []
+    for kind, chunk in _split_solution(source):
+        if kind == "import":
+            imports += chunk
+        elif kind == "def":
+            head, rest, indent, _ = chunk
+            defs.append("\n".join(head + [indent + "### BEGIN SOLUTION"] + rest
+                                  + [indent + "### END SOLUTION"]))
+    return "\n\n\n".join(["\n".join(imports)] * bool(imports) + defs)
+
+
+def function_names(source: str) -> list[str]:
+    return [chunk[3] for kind, chunk in _split_solution(source) if kind == "def"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Student notebooks and the nbgrader course
+
+
+def chapter_notebooks() -> list[pathlib.Path]:
+    """The committed chapter notebooks, in book order (written by `make notebooks`)."""
+    return sorted(CHAPTERS.glob("[0-9][0-9]-*.ipynb"))
+
+
+def _tags(cell) -> list[str]:
+    return list(cell.metadata.get("tags", []))
+
+
+STUDENT_NOTE = """\
+**Student version.** The solutions are removed. Where an exercise asks for code you will find a
+cell with the function's signature and `raise NotImplementedError()`: replace that line with your
+code and run the check cell below it. The check runs your function on several cases and tells you
+what is wrong, or prints that all cases pass. Run the cells from the top: the first code cell
+makes the book's module `attention.py` importable."""
+
+
+def student_notebook(notebook):
+    """Solutions out, stubs in, checks kept; a note on how to use it after the title."""
+    import nbformat
+
+    cells = []
+    for cell in notebook.cells:
+        if "solution" not in _tags(cell):
+            cells.append(cell)
+            if len(cells) == 1:
+                cells.append(nbformat.v4.new_markdown_cell(STUDENT_NOTE))
+            continue
+        stub = stub_code(cell.source) if cell.cell_type == "code" else None
+        if stub:
+            cells.append(nbformat.v4.new_code_cell(stub[0]))
+            if stub[1]:
+                cells.append(nbformat.v4.new_code_cell(stub[1]))
+    return nbformat.v4.new_notebook(cells=cells, metadata=copy.deepcopy(notebook.metadata))
+
+
+def write_student(out: pathlib.Path) -> list[pathlib.Path]:
+    import nbformat
+
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for path in chapter_notebooks():
+        nbformat.write(student_notebook(nbformat.read(path, as_version=4)), out / path.name)
+        written.append(out / path.name)
+    return written
+
+
+NBGRADER_CONFIG = """\
+# nbgrader configuration of the course that `make assignments` writes (tests/classroom.py).
+c = get_config()  # noqa: F821 (nbgrader provides it)
+c.CourseDirectory.course_id = "attention-computed"
+# A student finds exactly the stub that the book's student notebooks have.
+c.ClearSolutions.code_stub = {"python": @STUB@}
+# Chapters train small models and run simulations: give each cell time.
+c.Execute.timeout = 120
+"""
+
+
+def _meta(kind: str, grade_id: str, points: int = 0) -> dict:
+    meta = {"schema_version": 3, "grade_id": grade_id, "locked": False,
+            "grade": False, "solution": False, "task": False}
+    if kind == "answer":
+        meta["solution"] = True
+    elif kind == "test":
+        meta.update(grade=True, locked=True, points=points)
+    elif kind == "locked":
+        meta["locked"] = True
+    return {"nbgrader": meta}
+
+
+def nbgrader_source(notebook, points: int = 1):
+    """The chapter as an nbgrader source notebook.
+
+    Each coding exercise becomes an autograded answer cell (the reference code inside
+    ### BEGIN/END SOLUTION) and a locked test cell worth ``points`` that calls the chapter's
+    check. The setup cell and the cells that define the checks are locked: autograding puts
+    them back if a student edits them. Written solutions are left out; they are in the book.
+    """
+    import nbformat
+
+    cells = []
+    for cell in notebook.cells:
+        tags = _tags(cell)
+        if "solution" not in tags:
+            new = copy.deepcopy(cell)
+            if cell.cell_type == "code":
+                name = re.match(r"def (check_\w+)", cell.source)
+                if name:
+                    new.metadata.update(_meta("locked", name.group(1)))
+                elif cell.source.startswith("# Setup, hidden in the book"):
+                    new.metadata.update(_meta("locked", "setup"))
+            cells.append(new)
+            continue
+        stub = stub_code(cell.source) if cell.cell_type == "code" else None
+        if not stub:
+            continue
+        names = "-".join(function_names(cell.source))
+        answer = nbformat.v4.new_code_cell(solution_region_code(cell.source))
+        answer.metadata.update(_meta("answer", names))
+        test = nbformat.v4.new_code_cell(stub[1])
+        test.metadata.update(_meta("test", f"test-{names}", points))
+        cells += [answer, test]
+    return nbformat.v4.new_notebook(cells=cells, metadata=copy.deepcopy(notebook.metadata))
+
+
+def write_assignments(out: pathlib.Path) -> list[pathlib.Path]:
+    """An nbgrader course: nbgrader_config.py and source/<chapter>/<chapter>.ipynb.
+
+    Each assignment folder also holds attention.py, which nbgrader releases with the notebook,
+    so the notebook's first cell finds the module beside it, offline.
+    """
+    import json
+    import shutil
+
+    import nbformat
+
+    out.mkdir(parents=True, exist_ok=True)
+    config = NBGRADER_CONFIG.replace("@STUB@", json.dumps(STUB_BODY))
+    (out / "nbgrader_config.py").write_text(config)
+    written = []
+    for path in chapter_notebooks():
+        folder = out / "source" / path.stem
+        folder.mkdir(parents=True, exist_ok=True)
+        nbformat.write(nbgrader_source(nbformat.read(path, as_version=4)), folder / path.name)
+        shutil.copy(ROOT / "code" / "attention.py", folder / "attention.py")
+        written.append(folder / path.name)
+    return written
+
+
+if __name__ == "__main__":
+    import sys
+
+    match sys.argv[1:]:
+        case ["setup-cell"]:
+            write_setup_cells()
+        case ["student", out]:
+            for path in write_student(pathlib.Path(out)):
+                print(path)
+        case ["assignments", out]:
+            for path in write_assignments(pathlib.Path(out)):
+                print(path)
+        case _:
+            sys.exit(f"usage: {sys.argv[0]} setup-cell | student OUT | assignments OUT")

@@ -1,0 +1,284 @@
+"""Classroom material: chapter notebooks for Colab and Binder, student notebooks, nbgrader course.
+
+The fast tests read files. The ones marked `book` execute every chapter notebook: alone in an
+empty folder as Colab would (fetching attention.py from ATTENTION_PY_URL, without myst_nb), and
+through nbgrader's generate_assignment and autograde.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+
+import jupytext
+import nbformat
+import pytest
+import yaml
+
+import classroom
+
+ROOT = classroom.ROOT
+MD = classroom.numbered_chapters()
+NOTEBOOKS = classroom.chapter_notebooks()
+MYST = re.compile(r"\{[\w:-]+\}`|^[`:]{3,}\{|^:[\w-]+:|^\(\S+\)=\s*$", re.M)
+
+
+def read(path):
+    return nbformat.read(path, as_version=4)
+
+
+def test_every_chapter_has_a_notebook():
+    assert [p.stem for p in NOTEBOOKS] == [p.stem for p in MD], (
+        "chapters/*.ipynb and chapters/*.md differ: run `make notebooks`")
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+class TestChapterNotebook:
+    def test_code_cells_are_the_chapters(self, path):
+        # The markdown is checked against a fresh build in tests/test_book.py; the code, which
+        # is what runs in Colab, can be checked without one.
+        source = [c.source for c in jupytext.read(path.with_suffix(".md")).cells
+                  if c.cell_type == "code"]
+        notebook = [c.source for c in read(path).cells if c.cell_type == "code"]
+        assert notebook == source, f"{path.name} is stale: run `make notebooks`"
+
+    def test_committed_without_outputs(self, path):
+        for cell in read(path).cells:
+            if cell.cell_type == "code":
+                assert cell.outputs == [] and cell.execution_count is None
+
+    def test_markdown_has_no_myst(self, path):
+        for cell in read(path).cells:
+            if cell.cell_type == "markdown":
+                assert not MYST.search(cell.source), cell.source[:300]
+
+
+def test_setup_cell_fetches_from_the_configured_repository():
+    repo = classroom.repository()
+    with open(ROOT / "_config.yml") as f:
+        config = yaml.safe_load(f)
+    assert repo["raw"].startswith("https://raw.githubusercontent.com/")
+    assert config["repository"]["url"].endswith(f"{repo['org']}/{repo['repo']}")
+    for path in NOTEBOOKS:
+        setup = read(path).cells[1].source
+        assert f'"{repo["raw"]}"\n        "code/attention.py"' in setup, path.name
+
+
+def test_readme_badges_follow_config():
+    repo = classroom.repository()
+    readme = (ROOT / "README.md").read_text()
+    colab = re.findall(r"https://colab\.research\.google\.com/github/([^)\s]+)", readme)
+    binder = re.findall(r"https://mybinder\.org/v2/gh/([^)\s?]+)", readme)
+    assert colab and binder, "README has no Colab or Binder badge"
+    for link in colab:
+        assert link.startswith(f"{repo['org']}/{repo['repo']}/blob/{repo['ref']}/chapters/")
+        assert (ROOT / link.split(f"/blob/{repo['ref']}/", 1)[1]).is_file(), link
+    for link in binder:
+        assert link == f"{repo['org']}/{repo['repo']}/{repo['ref']}", link
+
+
+def test_binder_pins_cpu_torch_at_the_books_versions():
+    pins = dict(re.findall(r"^([\w-]+)==(\S+)$", (ROOT / "requirements.txt").read_text(), re.M))
+    binder = (ROOT / "binder" / "requirements.txt").read_text()
+    assert re.search(r"^--extra-index-url https://download\.pytorch\.org/whl/cpu$", binder, re.M)
+    assert re.search(rf"^torch=={re.escape(pins['torch'])}\+cpu$", binder, re.M)
+    for name in ("numpy", "matplotlib"):
+        assert re.search(rf"^{name}=={re.escape(pins[name])}$", binder, re.M), name
+    # Nothing else: everything the chapters import must be torch, numpy, matplotlib, IPython
+    # (which Binder's Jupyter brings), the standard library, attention or myst_nb (stood in for
+    # by the setup cell).
+    allowed = {"torch", "numpy", "matplotlib", "IPython", "attention", "myst_nb"}
+    stdlib = set(sys.stdlib_module_names)
+    for path in MD:
+        code = "\n".join(c.source for c in jupytext.read(path).cells if c.cell_type == "code")
+        for module in re.findall(r"^\s*(?:from|import) (\w+)", code, re.M):
+            assert module in allowed | stdlib, f"{path.name} imports {module}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Student notebooks
+
+
+@pytest.fixture(scope="module")
+def student(tmp_path_factory):
+    out = tmp_path_factory.mktemp("student")
+    return {p.stem: read(p) for p in classroom.write_student(out)}
+
+
+def solution_functions(path):
+    """{name: body} of every function that the notebook's solution cells define."""
+    found = {}
+    for cell in read(path).cells:
+        if cell.cell_type == "code" and "solution" in cell.metadata.get("tags", []):
+            for kind, chunk in classroom._split_solution(cell.source):
+                if kind == "def":
+                    found[chunk[3]] = "\n".join(chunk[1])
+    return found
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_student_notebook_has_no_solution(student, path):
+    notebook = student[path.stem]
+    text = "\n".join(c.source for c in notebook.cells)
+    for cell in notebook.cells:
+        assert "solution" not in cell.metadata.get("tags", [])
+    assert "Solution to Exercise" not in text
+    stubbed = {}
+    for cell in notebook.cells:
+        if cell.cell_type == "code" and "# YOUR CODE HERE" in cell.source:
+            for kind, chunk in classroom._split_solution(cell.source):
+                if kind == "def":
+                    stubbed[chunk[3]] = chunk[1]
+    for name, body in solution_functions(path).items():
+        assert body not in text, f"the body of {name} is in the student notebook"
+        if name in stubbed:
+            assert [line.strip() for line in stubbed[name]
+                    if not line.strip().startswith("#")] == ["raise NotImplementedError()"]
+        else:  # a demonstration (such as a wrong answer the check rejects) goes entirely
+            assert not re.search(rf"\b{name}\b", text), f"{name} is in the student notebook"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_student_notebook_keeps_checks_and_stubs(student, path):
+    notebook = student[path.stem]
+    code = [c.source for c in notebook.cells if c.cell_type == "code"]
+    checks = [c for c in code if c.startswith("def check_")]
+    assert checks, "the chapter's checks are missing"
+    stubs = [c for c in code if "# YOUR CODE HERE" in c]
+    assert len(stubs) >= 1
+    for stub in stubs:  # each stub is followed by the call of its check
+        following = code[code.index(stub) + 1]
+        assert re.fullmatch(r"(check_\w+\([\w, ]+\)\n?)+", following), following
+    assert notebook.cells[0].source.startswith("# "), "the title comes first"
+    assert "Student version" in notebook.cells[1].source
+
+
+# ---------------------------------------------------------------------------------------------
+# nbgrader course
+
+
+@pytest.fixture(scope="module")
+def course(tmp_path_factory):
+    out = tmp_path_factory.mktemp("course")
+    classroom.write_assignments(out)
+    return out
+
+
+def test_course_layout_and_metadata(course):
+    assert (course / "nbgrader_config.py").is_file()
+    for path in NOTEBOOKS:
+        folder = course / "source" / path.stem
+        assert (folder / "attention.py").read_text() == (ROOT / "code/attention.py").read_text()
+        notebook = read(folder / path.name)
+        grade_ids, points = [], 0
+        for cell in notebook.cells:
+            meta = cell.metadata.get("nbgrader")
+            if not meta:
+                continue
+            grade_ids.append(meta["grade_id"])
+            if meta["grade"]:
+                assert meta["locked"] and meta["points"] > 0
+                assert cell.source.startswith("check_")
+                points += meta["points"]
+            if meta["solution"]:
+                assert "### BEGIN SOLUTION" in cell.source
+        assert len(grade_ids) == len(set(grade_ids)), "grade ids must be unique"
+        assert points >= 1, f"{path.name}: nothing to grade"
+        assert "setup" in grade_ids and any(g.startswith("check_") for g in grade_ids)
+
+
+def nbgrader(course: pathlib.Path, *args: str) -> str:
+    # nbgrader runs the `alembic` command of its environment: put .venv/bin first on PATH.
+    path = f"{pathlib.Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    proc = subprocess.run([sys.executable, "-m", "nbgrader", *args], cwd=course,
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PATH": path})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout + proc.stderr
+
+
+def grade_chapter(course: pathlib.Path, name: str) -> dict:
+    """generate_assignment, then autograde the source (as 'reference') and the blank release."""
+    nbgrader(course, "generate_assignment", name, "--force")
+    for student, folder in (("reference", "source"), ("blank", "release")):
+        target = course / "submitted" / student / name
+        shutil.copytree(course / folder / name, target, dirs_exist_ok=True)
+    nbgrader(course, "autograde", name, "--force")
+    from nbgrader.api import Gradebook
+    with Gradebook(f"sqlite:///{course / 'gradebook.db'}") as gradebook:
+        result = {}
+        for student in ("reference", "blank"):
+            submission = gradebook.find_submission(name, student)
+            result[student] = (submission.score, submission.max_score)
+    release = read(course / "release" / name / f"{name}.ipynb")
+    return {"scores": result, "release": release}
+
+
+@pytest.fixture(scope="module")
+def graded(tmp_path_factory):
+    """Every chapter through nbgrader, two chapters at a time, each in a course of its own."""
+    def run(path):
+        course = tmp_path_factory.mktemp(f"nbgrader-{path.stem}")
+        classroom.write_assignments(course)
+        return path.stem, grade_chapter(course, path.stem)
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        return dict(pool.map(run, NOTEBOOKS))
+
+
+@pytest.mark.book
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_nbgrader_grades_reference_full_and_blank_below(graded, student, path):
+    scores = graded[path.stem]["scores"]
+    got, full = scores["reference"]
+    assert full >= 1 and got == full, f"reference solution: {got} of {full}"
+    got, full = scores["blank"]
+    assert got < full, f"blank notebook: {got} of {full}"
+    # nbgrader's release and `make student` give students the same code cells to fill in.
+    released = [c.source for c in graded[path.stem]["release"].cells
+                if c.metadata.get("nbgrader", {}).get("solution")]
+    stubs = [c.source for c in student[path.stem].cells
+             if c.cell_type == "code" and "# YOUR CODE HERE" in c.source]
+    assert released == stubs
+
+
+# ---------------------------------------------------------------------------------------------
+# Colab: a notebook alone in an empty folder
+
+
+BLOCK_MYST_NB = 'raise ImportError("myst_nb is not installed here, as in Colab")\n'
+
+
+def run_alone(path: pathlib.Path, folder: pathlib.Path) -> pathlib.Path:
+    from nbclient import NotebookClient
+
+    shutil.copy(path, folder / path.name)
+    blocker = folder.parent / f"{path.stem}-no-myst-nb"
+    blocker.mkdir()
+    (blocker / "myst_nb.py").write_text(BLOCK_MYST_NB)
+    env = {**os.environ, "PYTHONPATH": str(blocker),
+           "ATTENTION_PY_URL": (ROOT / "code" / "attention.py").as_uri()}
+    notebook = read(folder / path.name)
+    client = NotebookClient(notebook, timeout=300, kernel_name="python3",
+                            resources={"metadata": {"path": str(folder)}})
+    client.execute(env=env)  # raises CellExecutionError, with the traceback, if a cell fails
+    return folder
+
+
+@pytest.mark.book
+def test_every_notebook_runs_alone_as_in_colab(tmp_path):
+    def run(path):
+        folder = tmp_path / path.stem / "work"
+        folder.mkdir(parents=True)
+        run_alone(path, folder)
+        return path.stem, sorted(p.name for p in folder.iterdir())
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        results = dict(pool.map(run, NOTEBOOKS))
+    for name, files in results.items():
+        assert "attention.py" in files, f"{name}: attention.py was not fetched"

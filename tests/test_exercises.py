@@ -1,0 +1,1052 @@
+"""The self-checking coding exercises of the chapters.
+
+Every chapter defines one or two checks, cells `def check_xxx(fn): ...` that a student runs on
+their own function, and a gated solution whose code cell defines the reference function and
+calls the check on it. Here each check must
+
+* run with nothing but `torch` defined (in a student notebook it sits far from the chapter's
+  other cells, and the cells that define the chapter's data may not have run);
+* accept the reference solution, and other correct ways of writing it;
+* reject the stub a student starts from (tests/classroom.py, `stub_code`) with a message
+  saying the function is not written yet;
+* reject every wrong answer of the catalogue below with a message that names the mistake.
+
+A new check in a chapter fails `test_every_check_has_a_catalogue` until its wrong answers are
+written here.
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+import re
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import attention
+from attention import causal_mask, padding_mask, scaled_dot_product_attention, softmax
+from classroom import numbered_chapters, stub_code
+
+torch.set_num_threads(1)
+
+NOT_WRITTEN = "{} is not written yet: replace `raise NotImplementedError()` with your code"
+
+# What a solution cell may use without importing it: the chapters' own imports.
+SOLUTION_GLOBALS = {"torch": torch, "math": math, "F": F,
+                    **{name: getattr(attention, name) for name in attention.__all__}}
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading the chapters
+
+# A MyST directive: its fence, name, argument and body; the closing fence has the same length.
+DIRECTIVE = re.compile(r"^(`{3,})\{([\w-]+)\}([^\n]*)\n(.*?)^\1[ \t]*$", re.S | re.M)
+
+
+@dataclass
+class CodeCell:
+    chapter: str
+    source: str
+    tags: list[str]
+    solution_of: str | None  # the exercise label of the gated solution around it, if any
+
+
+@dataclass
+class Exercise:
+    chapter: str
+    label: str
+    text: str
+
+
+@dataclass
+class Chapter:
+    name: str
+    cells: list[CodeCell] = field(default_factory=list)
+    exercises: list[Exercise] = field(default_factory=list)
+
+
+def _options(body: str) -> tuple[dict[str, str], str]:
+    """Split the `:key: value` option lines off the top of a directive body."""
+    options, lines = {}, body.splitlines()
+    while lines and re.match(r":[\w-]+:", lines[0]):
+        key, _, value = lines.pop(0)[1:].partition(":")
+        options[key] = value.strip()
+    return options, "\n".join(lines) + "\n"
+
+
+def read_chapter(path) -> Chapter:
+    chapter = Chapter(path.stem)
+    gated = None
+    for match in DIRECTIVE.finditer(path.read_text()):
+        _, name, argument, body = match.groups()
+        options, source = _options(body)
+        if name == "solution-start":
+            gated = argument.strip()
+        elif name == "solution-end":
+            gated = None
+        elif name == "exercise":
+            chapter.exercises.append(Exercise(path.stem, options.get("label", ""), source))
+        elif name == "code-cell":
+            tags = [t.strip() for t in options.get("tags", "").strip("[]").split(",") if t.strip()]
+            chapter.cells.append(CodeCell(path.stem, source, tags, gated))
+    return chapter
+
+
+def defined_checks(cell: CodeCell) -> list[str]:
+    """The check_* functions a visible cell defines (imports may precede them)."""
+    if cell.solution_of is not None or "def check_" not in cell.source:
+        return []
+    tree = ast.parse(cell.source)
+    names = [node.name for node in tree.body
+             if isinstance(node, ast.FunctionDef) and node.name.startswith("check_")]
+    others = [node for node in tree.body if not isinstance(
+        node, (ast.FunctionDef, ast.Import, ast.ImportFrom))]
+    return names if names and not others else []
+
+
+def check_calls(source: str) -> list[tuple[str, list[str]]]:
+    """(check name, argument names) of each top-level call of a check_* function."""
+    calls = []
+    if "check_" not in source:
+        return calls
+    for node in ast.parse(source).body:
+        if (isinstance(node, ast.Expr) and isinstance(node.value, ast.Call)
+                and isinstance(node.value.func, ast.Name)
+                and node.value.func.id.startswith("check_")):
+            args = [arg.id for arg in node.value.args if isinstance(arg, ast.Name)]
+            calls.append((node.value.func.id, args))
+    return calls
+
+
+def definitions_only(source: str) -> str:
+    """The imports and function definitions of a cell, without the calls."""
+    tree = ast.parse(source)
+    tree.body = [node for node in tree.body
+                 if isinstance(node, (ast.FunctionDef, ast.Import, ast.ImportFrom))]
+    return ast.unparse(tree)
+
+
+CHAPTERS = [read_chapter(path) for path in numbered_chapters()]
+
+CHECK_CELLS: dict[str, CodeCell] = {}  # check name -> the cell that defines it
+for _chapter in CHAPTERS:
+    for _cell in _chapter.cells:
+        for _name in defined_checks(_cell):
+            assert _name not in CHECK_CELLS, f"{_name} is defined twice"
+            CHECK_CELLS[_name] = _cell
+
+
+@dataclass
+class Reference:
+    cell: CodeCell
+    functions: list[str]  # the arguments of the check call, in order
+
+
+REFERENCES: dict[str, Reference] = {}  # check name -> the solution cell that calls it
+for _chapter in CHAPTERS:
+    for _cell in _chapter.cells:
+        if _cell.solution_of is None or "solution" not in _cell.tags:
+            continue
+        for _name, _args in check_calls(_cell.source):
+            REFERENCES.setdefault(_name, Reference(_cell, _args))
+
+CHECK_NAMES = sorted(CHECK_CELLS)
+
+
+def load_check(name: str):
+    """The check, executed the way a student notebook runs it: with only torch defined."""
+    namespace = {"torch": torch}
+    exec(compile(CHECK_CELLS[name].source, f"<{name}>", "exec"), namespace)
+    return namespace[name]
+
+
+def load_functions(source: str, names: list[str], label: str) -> dict:
+    namespace = dict(SOLUTION_GLOBALS)
+    exec(compile(source, f"<{label}>", "exec"), namespace)
+    return {name: namespace[name] for name in names}
+
+
+def reference_functions(check: str) -> dict:
+    ref = REFERENCES[check]
+    return load_functions(definitions_only(ref.cell.source), ref.functions, f"{check} solution")
+
+
+def stub_functions(check: str) -> dict:
+    ref = REFERENCES[check]
+    stubbed = stub_code(ref.cell.source)
+    assert stubbed is not None, f"stub_code found no function in the solution of {check}"
+    return load_functions(stubbed[0], ref.functions, f"{check} stub")
+
+
+def call_check(check: str, replace: dict):
+    """Run the check on the reference functions, some of them replaced."""
+    functions = reference_functions(check)
+    unknown = set(replace) - set(functions)
+    assert not unknown, f"{check} takes no function named {unknown}"
+    functions.update(replace)
+    return load_check(check)(*functions.values())
+
+
+# ---------------------------------------------------------------------------------------------
+# The catalogue: common wrong answers, each with a fragment its message must contain, and
+# correct answers written differently from the reference, which every check must accept.
+
+WRONG: dict[str, list] = {}  # check name -> [(id, fragment, {function name: function})]
+RIGHT: dict[str, list] = {}  # check name -> [(id, {function name: function})]
+
+
+def wrong(check: str, fragment: str, replaces: str | None = None):
+    """Register a wrong answer: `check` must reject it saying `fragment`."""
+    def register(fn):
+        WRONG.setdefault(check, []).append((fn.__name__, fragment, replaces, fn))
+        return fn
+    return register
+
+
+def right(check: str, replaces: str | None = None):
+    """Register a correct answer written differently: `check` must accept it."""
+    def register(fn):
+        RIGHT.setdefault(check, []).append((fn.__name__, replaces, fn))
+        return fn
+    return register
+
+
+def _exp_rows(scores, dim=-1):
+    """A correct softmax, for the wrong answers that make another mistake."""
+    exp = torch.exp(scores - scores.amax(dim=dim, keepdim=True))
+    return exp / exp.sum(dim=dim, keepdim=True)
+
+
+# --- chapter 1: check_simple_self_attention(fn), fn(x) -> (output, weights) ------------------
+
+C1 = "check_simple_self_attention"
+
+
+@wrong(C1, "NaN or inf")
+def ssa_naive_exp(x):
+    exp = torch.exp(x @ x.transpose(-2, -1))
+    weights = exp / exp.sum(-1, keepdim=True)
+    return weights @ x, weights
+
+
+@wrong(C1, "subtract each row's maximum")
+def ssa_global_max(x):
+    scores = x @ x.transpose(-2, -1)
+    exp = torch.exp(scores - scores.max())  # one shift for all rows: rows underflow to 0/0
+    weights = exp / exp.sum(-1, keepdim=True)
+    return weights @ x, weights
+
+
+@wrong(C1, "columns of weights sum to 1, not the rows: normalise over the keys, dim=-1")
+def ssa_softmax_over_queries(x):
+    weights = _exp_rows(x @ x.transpose(-2, -1), dim=-2)
+    return weights @ x, weights
+
+
+@wrong(C1, "you divided the scores by sqrt(d)")
+def ssa_scaled(x):
+    weights = _exp_rows(x @ x.transpose(-2, -1) / math.sqrt(x.shape[-1]))
+    return weights @ x, weights
+
+
+@wrong(C1, "return (output, weights)")
+def ssa_swapped_return(x):
+    weights = _exp_rows(x @ x.transpose(-2, -1))
+    return weights, weights @ x
+
+
+@wrong(C1, "x.transpose(-2, -1); x.T reverses all of them")
+def ssa_x_dot_T(x):
+    import warnings
+    with warnings.catch_warnings():  # x.T on a batch is deprecated, then fails in the matmul
+        warnings.simplefilter("ignore")
+        weights = _exp_rows(x @ x.T)
+    return weights @ x, weights
+
+
+@wrong(C1, "expected shape (..., T, T) = (2, 4, 4), got (8, 8)")
+def ssa_batch_as_one_sequence(x):
+    flat = x.reshape(-1, x.shape[-1])  # all tokens of the batch in one sequence
+    weights = _exp_rows(flat @ flat.T)
+    return weights @ flat, weights
+
+
+@wrong(C1, "each row of weights must sum to 1")
+def ssa_no_softmax(x):
+    weights = x @ x.transpose(-2, -1)
+    return weights @ x, weights
+
+
+@wrong(C1, "output != weights @ x")
+def ssa_transposed_weights_in_output(x):
+    weights = _exp_rows(x @ x.transpose(-2, -1))
+    return weights.transpose(-2, -1) @ x, weights
+
+
+@wrong(C1, "return a tuple (output, weights)")
+def ssa_output_only(x):
+    return _exp_rows(x @ x.transpose(-2, -1)) @ x
+
+
+@right(C1)
+def ssa_torch_softmax(x):
+    weights = torch.softmax(torch.einsum("...id,...jd->...ij", x, x), dim=-1)
+    return weights @ x, weights
+
+
+@right(C1)
+def ssa_float64(x):
+    x64 = x.double()
+    weights = torch.softmax(x64 @ x64.mT, dim=-1)
+    return (weights @ x64).float(), weights.float()
+
+
+@right(C1)
+def ssa_broadcast_sums(x):
+    scores = (x.unsqueeze(-2) * x.unsqueeze(-3)).sum(-1)  # another rounding of the scores
+    exp = (scores - scores.max(dim=-1, keepdim=True).values).exp()
+    weights = exp / exp.sum(-1, keepdim=True)
+    return (weights.unsqueeze(-1) * x.unsqueeze(-3)).sum(-2), weights
+
+
+# --- chapter 2: check_self_attention(fn), fn(x, w_q, w_k, w_v) -> (output, weights) ----------
+
+C2 = "check_self_attention"
+
+
+def _sa(x, w_q, w_k, w_v, scale=None, dim=-1, keys_first=False, values=None):
+    q, k, v = x @ w_q, x @ w_k, x @ w_v
+    scale = 1 / math.sqrt(k.shape[-1]) if scale is None else scale
+    scores = (k @ q.transpose(-2, -1) if keys_first else q @ k.transpose(-2, -1)) * scale
+    weights = softmax(scores, dim=dim)
+    return weights @ (v if values is None else values), weights
+
+
+@wrong(C2, "the scores are not divided by sqrt(d_k)")
+def sa_no_scale(x, w_q, w_k, w_v):
+    return _sa(x, w_q, w_k, w_v, scale=1.0)
+
+
+@wrong(C2, "divided by sqrt(d_model) = sqrt(6); divide by sqrt(d_k) = sqrt(3)")
+def sa_scale_d_model(x, w_q, w_k, w_v):
+    return _sa(x, w_q, w_k, w_v, scale=1 / math.sqrt(x.shape[-1]))
+
+
+@wrong(C2, "the scores are divided by d_k; divide by sqrt(d_k)")
+def sa_scale_d_k(x, w_q, w_k, w_v):
+    return _sa(x, w_q, w_k, w_v, scale=1 / w_k.shape[-1])
+
+
+@wrong(C2, "K Q^T")
+def sa_keys_times_queries(x, w_q, w_k, w_v):
+    return _sa(x, w_q, w_k, w_v, keys_first=True)
+
+
+@wrong(C2, "the columns of weights sum to 1, not the rows: take the softmax over the keys, "
+           "dim=-1")
+def sa_softmax_over_queries(x, w_q, w_k, w_v):
+    return _sa(x, w_q, w_k, w_v, dim=-2)
+
+
+@wrong(C2, "large inputs: NaN or inf")
+def sa_naive_exp(x, w_q, w_k, w_v):
+    q, k, v = x @ w_q, x @ w_k, x @ w_v
+    exp = torch.exp(q @ k.transpose(-2, -1) / math.sqrt(k.shape[-1]))
+    weights = exp / exp.sum(-1, keepdim=True)
+    return weights @ v, weights
+
+
+@wrong(C2, "multiply the weights by v = x @ w_v, not by x")
+def sa_values_not_projected(x, w_q, w_k, w_v):
+    return _sa(x, w_q, w_k, w_v, values=x)
+
+
+@wrong(C2, "k.T reverses every axis of a batch")
+def sa_k_dot_T(x, w_q, w_k, w_v):
+    import warnings
+    q, k, v = x @ w_q, x @ w_k, x @ w_v
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        weights = softmax(q @ k.T / math.sqrt(k.shape[-1]))
+    return weights @ v, weights
+
+
+@wrong(C2, "you returned (weights, output)")
+def sa_swapped_return(x, w_q, w_k, w_v):
+    return _sa(x, w_q, w_k, w_v)[::-1]
+
+
+@right(C2)
+def sa_torch_softmax_scaled_queries(x, w_q, w_k, w_v):
+    q = (x @ w_q) / math.sqrt(w_q.shape[-1])
+    weights = torch.softmax(q @ (x @ w_k).mT, dim=-1)
+    return weights @ (x @ w_v), weights
+
+
+@right(C2)
+def sa_einsum(x, w_q, w_k, w_v):
+    q, k, v = (torch.einsum("...td,de->...te", x, w) for w in (w_q, w_k, w_v))
+    scores = torch.einsum("...ie,...je->...ij", q, k) / k.shape[-1] ** 0.5
+    weights = F.softmax(scores, dim=-1)
+    return torch.einsum("...ij,...je->...ie", weights, v), weights
+
+
+# --- chapter 2: check_additive_scores(fn), fn(query, key, w_1, w_2, w_out) -> (L, S) ----------
+
+C2b = "check_additive_scores"
+
+
+@wrong(C2b, "the tanh is missing")
+def add_no_tanh(query, key, w_1, w_2, w_out):
+    return ((query @ w_1)[:, None, :] + (key @ w_2)[None, :, :]) @ w_out
+
+
+@wrong(C2b, "tanh is applied after w_out")
+def add_tanh_after_w_out(query, key, w_1, w_2, w_out):
+    return torch.tanh(((query @ w_1)[:, None, :] + (key @ w_2)[None, :, :]) @ w_out)
+
+
+@wrong(C2b, "the scores are transposed")
+def add_keys_first(query, key, w_1, w_2, w_out):
+    return torch.tanh((key @ w_2)[:, None, :] + (query @ w_1)[None, :, :]) @ w_out
+
+
+@wrong(C2b, "w_1 and w_2 are swapped")
+def add_swapped_weights(query, key, w_1, w_2, w_out):
+    return torch.tanh((query @ w_2)[:, None, :] + (key @ w_1)[None, :, :]) @ w_out
+
+
+@wrong(C2b, "expected shape (L, S) = (3, 3), got (3,)")
+def add_no_broadcast(query, key, w_1, w_2, w_out):
+    return torch.tanh(query @ w_1 + key @ w_2) @ w_out  # pairs query i with key i only
+
+
+@right(C2b)
+def add_unsqueeze(query, key, w_1, w_2, w_out):
+    hidden = (query @ w_1).unsqueeze(1) + (key @ w_2).unsqueeze(0)
+    return torch.einsum("lsh,h->ls", torch.tanh(hidden), w_out)
+
+
+# --- chapter 3: check_score_variance(fn), fn(d_k, n, sigma, generator) -> (raw, scaled) ------
+
+C3 = "check_score_variance"
+
+
+def _draws(d_k, n, sigma, generator):
+    q = sigma * torch.randn(n, d_k, generator=generator)
+    k = sigma * torch.randn(n, d_k, generator=generator)
+    return (q * k).sum(-1)
+
+
+@wrong(C3, "you divided by d_k, not sqrt(d_k)")
+def var_divide_by_d_k(d_k, n, sigma, generator):
+    s = _draws(d_k, n, sigma, generator)
+    return float(s.var()), float((s / d_k).var())
+
+
+@wrong(C3, "scaled equals raw: divide the scores by sqrt(d_k)")
+def var_no_scale(d_k, n, sigma, generator):
+    s = _draws(d_k, n, sigma, generator)
+    return float(s.var()), float(s.var())
+
+
+@wrong(C3, "you divided the variance by sqrt(d_k)")
+def var_variance_over_sqrt_d_k(d_k, n, sigma, generator):
+    s = _draws(d_k, n, sigma, generator)
+    return float(s.var()), float(s.var()) / math.sqrt(d_k)
+
+
+@wrong(C3, "that is the standard deviation, not the variance")
+def var_std(d_k, n, sigma, generator):
+    s = _draws(d_k, n, sigma, generator)
+    return float(s.std()), float((s / math.sqrt(d_k)).std())
+
+
+@wrong(C3, "entries have variance sigma: scale by sigma")
+def var_entries_variance_sigma(d_k, n, sigma, generator):
+    q = math.sqrt(sigma) * torch.randn(n, d_k, generator=generator)
+    k = math.sqrt(sigma) * torch.randn(n, d_k, generator=generator)
+    s = (q * k).sum(-1)
+    return float(s.var()), float((s / math.sqrt(d_k)).var())
+
+
+@wrong(C3, "entries have variance sigma^4: scale by sigma")
+def var_entries_variance_sigma4(d_k, n, sigma, generator):
+    q = sigma**2 * torch.randn(n, d_k, generator=generator)
+    k = sigma**2 * torch.randn(n, d_k, generator=generator)
+    s = (q * k).sum(-1)
+    return float(s.var()), float((s / math.sqrt(d_k)).var())
+
+
+@wrong(C3, "that is Var[q_i k_i]; sum over the d_k entries first")
+def var_no_sum(d_k, n, sigma, generator):
+    q = sigma * torch.randn(n, d_k, generator=generator)
+    k = sigma * torch.randn(n, d_k, generator=generator)
+    return float((q * k).var()), float((q * k / math.sqrt(d_k)).var())
+
+
+@wrong(C3, "pass generator=generator to every torch.randn call")
+def var_global_generator(d_k, n, sigma, generator):
+    q = sigma * torch.randn(n, d_k)
+    k = sigma * torch.randn(n, d_k)
+    s = (q * k).sum(-1)
+    return float(s.var()), float((s / math.sqrt(d_k)).var())
+
+
+@wrong(C3, "expected two numbers, got a tensor of shape (20000,) and a tensor of shape "
+           "(20000,)")
+def var_returns_scores(d_k, n, sigma, generator):
+    s = _draws(d_k, n, sigma, generator)
+    return s, s / math.sqrt(d_k)
+
+
+@right(C3)
+def var_one_draw_keys_first(d_k, n, sigma, generator):
+    k, q = sigma * torch.randn(2, n, d_k, generator=generator)
+    s = torch.einsum("nd,nd->n", q, k)
+    centred = s - s.mean()
+    raw = float((centred**2).mean())  # the biased estimate: n / (n - 1) makes no difference
+    return raw, raw / d_k
+
+
+# --- chapter 4: check_stable_softmax(fn), fn(scores, dim=-1) -> weights ----------------------
+
+C4 = "check_stable_softmax"
+
+
+@wrong(C4, "NaN or inf for large (about 1000) scores: subtract the row maximum first")
+def sm_naive(scores, dim=-1):
+    exp = torch.exp(scores)
+    return exp / exp.sum(dim=dim, keepdim=True)
+
+
+@wrong(C4, "NaN for a row that is all -inf")
+def sm_max_shift_only(scores, dim=-1):
+    exp = torch.exp(scores - scores.amax(dim=dim, keepdim=True))
+    return exp / exp.sum(dim=dim, keepdim=True)
+
+
+@wrong(C4, "dim=0: differs from torch.softmax(z, dim=0)")
+def sm_ignores_dim(scores, dim=-1):
+    return _exp_rows(scores, dim=-1)
+
+
+@wrong(C4, "dim=0: differs from torch.softmax(z, dim=0)")
+def sm_sum_over_last_axis(scores, dim=-1):
+    exp = torch.exp(scores - scores.amax(dim=dim, keepdim=True))
+    return exp / exp.sum(dim=-1, keepdim=True)
+
+
+@wrong(C4, "dim=-1: normalised over the wrong axis")
+def sm_over_columns(scores, dim=-1):
+    return _exp_rows(scores, dim=0)
+
+
+@wrong(C4, "keepdim=True")
+def sm_no_keepdim(scores, dim=-1):
+    exp = torch.exp(scores - scores.amax(dim=dim))  # (3, 5) - (3,) does not broadcast
+    return exp / exp.sum(dim=dim)
+
+
+@wrong(C4, "expected dtype float16 back, got torch.float32")
+def sm_returns_float32(scores, dim=-1):
+    s = scores.float()
+    top = s.amax(dim=dim, keepdim=True)
+    exp = torch.exp(s - torch.where(top.isfinite(), top, 0.0))
+    return exp / exp.sum(dim=dim, keepdim=True).clamp_min(1e-30)
+
+
+@wrong(C4, "a row that is all -inf must give zeros, got [0.333")
+def sm_finite_stand_in(scores, dim=-1):
+    return _exp_rows(scores.clamp_min(torch.finfo(scores.dtype).min), dim)
+
+
+@wrong(C4, "expected shape (3, 5), got (15,)")
+def sm_flattened(scores, dim=-1):
+    return _exp_rows(scores.reshape(-1), dim=-1)
+
+
+@right(C4)
+def sm_float32_inside(scores, dim=-1):
+    s = scores.float()
+    top = s.amax(dim=dim, keepdim=True)
+    exp = torch.exp(s - torch.where(top.isfinite(), top, torch.zeros_like(top)))
+    total = exp.sum(dim=dim, keepdim=True)
+    return (exp / torch.where(total > 0, total, torch.ones_like(total))).to(scores.dtype)
+
+
+@right(C4)
+def sm_nan_to_zero(scores, dim=-1):
+    top = scores.amax(dim=dim, keepdim=True).nan_to_num(0.0, 0.0, 0.0)
+    exp = torch.exp(scores - top)
+    return (exp / exp.sum(dim=dim, keepdim=True)).nan_to_num(0.0)
+
+
+# --- chapter 5: check_causal_padding_mask(fn), fn(lengths, L) -> (B, L, L) boolean -----------
+
+C5 = "check_causal_padding_mask"
+
+
+def _mask(lengths, L, causal=None, padding=None):
+    i = torch.arange(L)[:, None]
+    j = torch.arange(L)[None, :]
+    causal = (j <= i) if causal is None else causal(i, j)
+    real = (j[None] < lengths[:, None, None]) if padding is None else padding(j, lengths)
+    return causal[None] & real
+
+
+@wrong(C5, "inverted mask")
+def mask_inverted(lengths, L):
+    return ~_mask(lengths, L)
+
+
+@wrong(C5, "the diagonal is missing")
+def mask_no_diagonal(lengths, L):
+    return _mask(lengths, L, causal=lambda i, j: j < i)
+
+
+@wrong(C5, "each query may also see the next token")
+def mask_sees_next(lengths, L):
+    return _mask(lengths, L, causal=lambda i, j: j <= i + 1)
+
+
+@wrong(C5, "upper triangle")
+def mask_upper(lengths, L):
+    return _mask(lengths, L, causal=lambda i, j: j >= i)
+
+
+@wrong(C5, "off by one in the padding")
+def mask_padding_off_by_one(lengths, L):
+    return _mask(lengths, L, padding=lambda j, n: j[None] <= n[:, None, None])
+
+
+@wrong(C5, "padding on the wrong axis")
+def mask_padding_on_queries(lengths, L):
+    i = torch.arange(L)[:, None]
+    return (torch.arange(L)[None, :] <= i)[None] & (i[None] < lengths[:, None, None])
+
+
+@wrong(C5, "padding ignored")
+def mask_no_padding(lengths, L):
+    return torch.ones(L, L, dtype=torch.bool).tril().expand(len(lengths), L, L)
+
+
+@wrong(C5, "not causal")
+def mask_not_causal(lengths, L):
+    return _mask(lengths, L, causal=lambda i, j: torch.ones(L, L, dtype=torch.bool))
+
+
+@wrong(C5, "expected a boolean mask (True = may attend), got torch.float32")
+def mask_additive(lengths, L):
+    return torch.zeros(len(lengths), L, L).masked_fill(~_mask(lengths, L), float("-inf"))
+
+
+@wrong(C5, "expected shape (B, L, L) = (3, 4, 4), got (4, 4)")
+def mask_one_sequence(lengths, L):
+    return _mask(lengths, L)[0]
+
+
+@right(C5)
+def mask_tril(lengths, L):
+    causal = torch.tril(torch.ones(L, L, dtype=torch.bool))
+    return causal & (torch.arange(L) < lengths.unsqueeze(-1)).unsqueeze(1)
+
+
+# --- chapter 5: check_masked_softmax(fn), fn(scores, mask) -> weights ------------------------
+
+C5b = "check_masked_softmax"
+
+
+@wrong(C5b, "inverted mask")
+def ms_inverted(scores, mask):
+    weights = torch.softmax(scores.masked_fill(mask, float("-inf")), dim=-1)
+    return weights.nan_to_num(0.0)
+
+
+@wrong(C5b, "NaN in 1 fully masked row(s)")
+def ms_nan_rows(scores, mask):
+    return torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+
+
+@wrong(C5b, "uniform weights 1/S")
+def ms_finfo_min(scores, mask):
+    return torch.softmax(scores.masked_fill(~mask, torch.finfo(scores.dtype).min), dim=-1)
+
+
+@wrong(C5b, "a fully masked row must give zeros, got weights up to")
+def ms_add_minus_1e4(scores, mask):
+    return torch.softmax(scores + (~mask) * -1e4, dim=-1)  # an additive finite mask
+
+
+@wrong(C5b, "a fill such as -1e9 does not fit in float16; fill with -inf")
+def ms_fill_minus_1e9(scores, mask):
+    weights = torch.softmax(scores.masked_fill(~mask, -1e9), dim=-1)
+    return torch.where(mask.any(-1, keepdim=True), weights, 0.0)
+
+
+@wrong(C5b, "modified the scores in place")
+def ms_in_place(scores, mask):
+    weights = torch.softmax(scores.masked_fill_(~mask, float("-inf")), dim=-1)
+    return torch.where(mask.any(-1, keepdim=True), weights, 0.0)
+
+
+@wrong(C5b, "the columns sum to 1, not the rows: take the softmax over the keys, dim=-1")
+def ms_over_queries(scores, mask):
+    weights = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-2)
+    return torch.where(mask.any(-1, keepdim=True), weights, 0.0)
+
+
+@wrong(C5b, "exp of a large score overflows (in float16 above about 11)")
+def ms_naive_exp(scores, mask):
+    exp = torch.exp(scores) * mask
+    total = exp.sum(-1, keepdim=True)
+    return exp / torch.where(total > 0, total, torch.ones_like(total))
+
+
+@wrong(C5b, "mask the scores before the softmax, not the weights after it")
+def ms_mask_after_softmax(scores, mask):
+    return torch.softmax(scores, dim=-1) * mask
+
+
+@wrong(C5b, "masked positions get weight up to")
+def ms_mask_ignored(scores, mask):
+    return torch.softmax(scores, dim=-1)
+
+
+@wrong(C5b, "expected dtype torch.float16, got torch.float32")
+def ms_returns_float32(scores, mask):
+    weights = torch.softmax(scores.float().masked_fill(~mask, float("-inf")), dim=-1)
+    return torch.where(mask.any(-1, keepdim=True), weights, 0.0)
+
+
+@wrong(C5b, "expected shape (2, 3, 5), got (")
+def ms_boolean_indexing(scores, mask):
+    return torch.softmax(scores[mask], dim=-1)  # the visible scores, flattened
+
+
+@wrong(C5b, "keepdim=True")
+def ms_any_without_keepdim(scores, mask):
+    weights = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    return torch.where(mask.any(-1), weights, 0.0)  # (B, L) against (B, L, S)
+
+
+@right(C5b)
+def ms_manual_stable(scores, mask):
+    filled = scores.masked_fill(~mask, float("-inf"))
+    top = filled.amax(-1, keepdim=True)
+    exp = torch.exp(filled - torch.where(top.isfinite(), top, torch.zeros_like(top)))
+    total = exp.sum(-1, keepdim=True)
+    return exp / torch.where(total > 0, total, torch.ones_like(total))
+
+
+@right(C5b)
+def ms_float32_inside(scores, mask):
+    weights = torch.softmax(scores.float().masked_fill(~mask, float("-inf")), dim=-1)
+    return weights.nan_to_num(0.0).to(scores.dtype)
+
+
+# --- chapter 6: check_split_merge(split_heads, merge_heads) ---------------------------------
+
+C6 = "check_split_merge"
+
+
+@wrong(C6, "the shape is right but tokens are mixed", replaces="split_heads")
+def split_no_transpose(x, num_heads):
+    B, L, D = x.shape
+    if D % num_heads:
+        raise ValueError("num_heads must divide D")
+    return x.reshape(B, num_heads, L, D // num_heads)
+
+
+@wrong(C6, "transpose to (B, H, L, hd)", replaces="split_heads")
+def split_forgets_transpose(x, num_heads):
+    B, L, D = x.shape
+    if D % num_heads:
+        raise ValueError("num_heads must divide D")
+    return x.reshape(B, L, num_heads, D // num_heads)
+
+
+@wrong(C6, "head h got every H-th feature", replaces="split_heads")
+def split_strided(x, num_heads):
+    B, L, D = x.shape
+    if D % num_heads:
+        raise ValueError("num_heads must divide D")
+    return x.reshape(B, L, D // num_heads, num_heads).permute(0, 3, 1, 2)
+
+
+@wrong(C6, "it must raise ValueError itself", replaces="split_heads")
+def split_no_value_error(x, num_heads):
+    B, L, D = x.shape
+    return x.view(B, L, num_heads, D // num_heads).transpose(1, 2)
+
+
+@wrong(C6, "must raise ValueError: 4 heads cannot share 6 features", replaces="split_heads")
+def split_rounds_down(x, num_heads):
+    B, L, D = x.shape
+    hd = D // num_heads
+    return x[..., :num_heads * hd].reshape(B, L, num_heads, hd).transpose(1, 2)
+
+
+@wrong(C6, "merge_heads reshaped (B, H, L, hd) directly", replaces="merge_heads")
+def merge_no_transpose(x):
+    B, H, L, hd = x.shape
+    return x.reshape(B, L, H * hd)
+
+
+@wrong(C6, "after a transpose use reshape", replaces="merge_heads")
+def merge_view(x):
+    B, H, L, hd = x.shape
+    return x.transpose(1, 2).view(B, L, H * hd)
+
+
+@wrong(C6, "merge_heads: expected shape (B, L, D) = (2, 3, 8), got (2, 3, 2, 4)",
+       replaces="merge_heads")
+def merge_forgets_reshape(x):
+    return x.transpose(1, 2)
+
+
+@right(C6, replaces="split_heads")
+def split_unflatten(x, num_heads):
+    if x.shape[-1] % num_heads:
+        raise ValueError(f"{num_heads} heads do not divide {x.shape[-1]} features")
+    return x.unflatten(-1, (num_heads, -1)).permute(0, 2, 1, 3)
+
+
+@right(C6, replaces="merge_heads")
+def merge_flatten(x):
+    return x.permute(0, 2, 1, 3).flatten(2)
+
+
+# --- chapter 7: check_cross_attention(fn) ---------------------------------------------------
+
+C7 = "check_cross_attention"
+
+
+def _cross(z_dec, z_enc, w_q, w_k, w_v, enc_lengths, scale=None, dim=-1, keep=None,
+           source=None):
+    """Cross-attention with one thing changed, for the wrong answers."""
+    q, k, v = z_dec @ w_q, z_enc @ w_k, z_enc @ w_v
+    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scores = q @ k.transpose(-2, -1) * scale  # (B, L, S)
+    if enc_lengths is not None:
+        S = z_enc.shape[1]
+        real = torch.arange(S) < enc_lengths[:, None] if keep is None else keep(S, enc_lengths)
+        scores = scores.masked_fill(~real[:, None, :], float("-inf"))
+    return softmax(scores, dim=dim) @ v
+
+
+@wrong(C7, "one row per encoder position")
+def cross_swapped_sources(z_dec, z_enc, w_q, w_k, w_v, enc_lengths=None):
+    q, k, v = z_enc @ w_q, z_dec @ w_k, z_dec @ w_v
+    return softmax(q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])) @ v
+
+
+@wrong(C7, "the scores are not divided by sqrt(d_k)")
+def cross_no_scale(z_dec, z_enc, w_q, w_k, w_v, enc_lengths=None):
+    return _cross(z_dec, z_enc, w_q, w_k, w_v, enc_lengths, scale=1.0)
+
+
+@wrong(C7, "the scores are divided by d_k; divide by sqrt(d_k)")
+def cross_scale_d_k(z_dec, z_enc, w_q, w_k, w_v, enc_lengths=None):
+    return _cross(z_dec, z_enc, w_q, w_k, w_v, enc_lengths, scale=1 / w_q.shape[-1])
+
+
+@wrong(C7, "divided by sqrt(d_dec)")
+def cross_scale_d_dec(z_dec, z_enc, w_q, w_k, w_v, enc_lengths=None):
+    return _cross(z_dec, z_enc, w_q, w_k, w_v, enc_lengths, scale=z_dec.shape[-1] ** -0.5)
+
+
+@wrong(C7, "softmax over the queries (dim=-2)")
+def cross_softmax_over_queries(z_dec, z_enc, w_q, w_k, w_v, enc_lengths=None):
+    return _cross(z_dec, z_enc, w_q, w_k, w_v, enc_lengths, dim=-2)
+
+
+@wrong(C7, "the padding of the encoder is ignored")
+def cross_no_mask(z_dec, z_enc, w_q, w_k, w_v, enc_lengths=None):
+    return _cross(z_dec, z_enc, w_q, w_k, w_v, None)
+
+
+@wrong(C7, "the mask is inverted")
+def cross_inverted_mask(z_dec, z_enc, w_q, w_k, w_v, enc_lengths=None):
+    q, k, v = z_dec @ w_q, z_enc @ w_k, z_enc @ w_v
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    if enc_lengths is not None:
+        real = torch.arange(z_enc.shape[1]) < enc_lengths[:, None]
+        scores = scores.masked_fill(real[:, None, :], float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v  # NaN where every key is real
+
+
+@wrong(C7, "off by one in the padding")
+def cross_mask_off_by_one(z_dec, z_enc, w_q, w_k, w_v, enc_lengths=None):
+    return _cross(z_dec, z_enc, w_q, w_k, w_v, enc_lengths,
+                  keep=lambda S, n: torch.arange(S) <= n[:, None])
+
+
+@wrong(C7, "the padding mask is (B, 1, S), over the keys")
+def cross_mask_on_queries(z_dec, z_enc, w_q, w_k, w_v, enc_lengths=None):
+    q, k, v = z_dec @ w_q, z_enc @ w_k, z_enc @ w_v
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    if enc_lengths is not None:
+        real = torch.arange(z_enc.shape[1]) < enc_lengths[:, None]  # (B, S)
+        scores = scores.masked_fill(~real[:, :, None], float("-inf"))  # (B, S, 1): wrong
+    return softmax(scores) @ v
+
+
+@wrong(C7, "the mask is applied to the weights after the softmax")
+def cross_mask_after_softmax(z_dec, z_enc, w_q, w_k, w_v, enc_lengths=None):
+    weights = softmax((z_dec @ w_q) @ (z_enc @ w_k).mT / math.sqrt(w_q.shape[-1]))
+    if enc_lengths is not None:
+        weights = weights * (torch.arange(z_enc.shape[1]) < enc_lengths[:, None])[:, None, :]
+    return weights @ (z_enc @ w_v)
+
+
+@wrong(C7, "NaN or inf in the output; exp of a large score overflows")
+def cross_naive_exp(z_dec, z_enc, w_q, w_k, w_v, enc_lengths=None):
+    q, k, v = z_dec @ w_q, z_enc @ w_k, z_enc @ w_v
+    exp = torch.exp(q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]))
+    if enc_lengths is not None:
+        exp = exp * (torch.arange(z_enc.shape[1]) < enc_lengths[:, None])[:, None, :]
+    return exp / exp.sum(-1, keepdim=True) @ v
+
+
+@right(C7)
+def cross_einsum_float64(z_dec, z_enc, w_q, w_k, w_v, enc_lengths=None):
+    q = torch.einsum("bld,dk->blk", z_dec.double(), w_q.double())
+    k = torch.einsum("bsd,dk->bsk", z_enc.double(), w_k.double())
+    v = torch.einsum("bsd,dv->bsv", z_enc.double(), w_v.double())
+    scores = torch.einsum("blk,bsk->bls", q / math.sqrt(k.shape[-1]), k)
+    if enc_lengths is not None:
+        pad = torch.arange(z_enc.shape[1]) >= enc_lengths[:, None]
+        scores = scores.masked_fill(pad[:, None, :], float("-inf"))
+    return torch.softmax(scores, dim=-1).nan_to_num(0.0).matmul(v).float()
+
+
+@right(C7)
+def cross_scale_after(z_dec, z_enc, w_q, w_k, w_v, enc_lengths=None):
+    scores = (z_dec @ w_q) @ (z_enc @ w_k).mT / w_q.shape[-1] ** 0.5
+    if enc_lengths is not None:
+        mask = padding_mask(enc_lengths, z_enc.shape[1])[:, None, :]
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return softmax(scores) @ (z_enc @ w_v)
+
+
+@right(C7)
+def cross_broadcast_sums(z_dec, z_enc, w_q, w_k, w_v, enc_lengths=None):
+    q, k, v = z_dec @ w_q, z_enc @ w_k, z_enc @ w_v
+    scores = (q.unsqueeze(2) * k.unsqueeze(1)).sum(-1) / math.sqrt(q.shape[-1])  # (B, L, S)
+    if enc_lengths is not None:
+        pad = torch.arange(k.shape[1]) >= enc_lengths[:, None, None]  # (B, 1, S)
+        scores = scores.masked_fill(pad, float("-inf"))
+    return (softmax(scores).unsqueeze(-1) * v.unsqueeze(1)).sum(2)
+
+
+# ---------------------------------------------------------------------------------------------
+# The tests
+
+def _replacements(check: str, replaces: str | None, fn) -> dict:
+    names = REFERENCES[check].functions
+    if replaces is None:
+        assert len(names) == 1, f"{check} takes {names}: say which one {fn.__name__} replaces"
+        replaces = names[0]
+    return {replaces: fn}
+
+
+WRONG_CASES = [pytest.param(check, fragment, replaces, fn, id=f"{check}-{name}")
+               for check, entries in sorted(WRONG.items())
+               for name, fragment, replaces, fn in entries]
+RIGHT_CASES = [pytest.param(check, replaces, fn, id=f"{check}-{name}")
+               for check, entries in sorted(RIGHT.items())
+               for name, replaces, fn in entries]
+STUB_CASES = [pytest.param(check, name, id=f"{check}-{name}")
+              for check in CHECK_NAMES if check in REFERENCES
+              for name in REFERENCES[check].functions]
+
+
+def test_the_chapters_have_checks():
+    assert len(CHECK_NAMES) >= 7, CHECK_NAMES
+
+
+@pytest.mark.parametrize("check", CHECK_NAMES)
+def test_check_accepts_the_reference_solution(check, capsys):
+    assert check in REFERENCES, f"no gated solution cell calls {check}"
+    call_check(check, {})
+    assert capsys.readouterr().out.strip(), f"{check} should say that the function passed"
+
+
+@pytest.mark.parametrize("check, function", STUB_CASES)
+def test_check_says_the_stub_is_not_written_yet(check, function):
+    stub = stub_functions(check)[function]
+    with pytest.raises(AssertionError) as info:
+        call_check(check, {function: stub})
+    assert str(info.value) == NOT_WRITTEN.format(function)
+
+
+@pytest.mark.parametrize("check, fragment, replaces, fn", WRONG_CASES)
+def test_check_names_the_mistake(check, fragment, replaces, fn, capsys):
+    with pytest.raises(AssertionError) as info:
+        call_check(check, _replacements(check, replaces, fn))
+    message = str(info.value)
+    assert fragment in message, f"expected {fragment!r} in the message, got:\n{message}"
+    assert "not written yet" not in message
+    assert not capsys.readouterr().out, "the check printed success before failing"
+
+
+@pytest.mark.parametrize("check, replaces, fn", RIGHT_CASES)
+def test_check_accepts_a_correct_answer_written_differently(check, replaces, fn):
+    call_check(check, _replacements(check, replaces, fn))
+
+
+def test_every_check_has_a_catalogue():
+    assert set(WRONG) == set(CHECK_NAMES), (
+        f"checks without wrong answers here: {sorted(set(CHECK_NAMES) - set(WRONG))}; "
+        f"wrong answers for checks the chapters no longer have: "
+        f"{sorted(set(WRONG) - set(CHECK_NAMES))}")
+    assert set(RIGHT) <= set(CHECK_NAMES)
+    for check, entries in WRONG.items():
+        assert len(entries) >= 3, f"{check}: at least three wrong answers"
+    assert sum(map(len, WRONG.values())) >= 35
+
+
+def test_every_coding_exercise_has_a_check_and_is_catalogued():
+    for chapter in CHAPTERS:
+        for cell in chapter.cells:
+            if cell.solution_of is None or "solution" not in cell.tags:
+                continue
+            for check, _ in check_calls(cell.source):
+                assert check in CHECK_CELLS, f"{chapter.name}: {check} is called, never defined"
+                assert check in WRONG, f"{check} has no wrong answers in the catalogue"
+
+
+@pytest.mark.parametrize("check", CHECK_NAMES)
+def test_check_is_called_by_a_solution_and_named_in_its_exercise(check):
+    assert check in REFERENCES, f"no gated solution calls {check} on a reference function"
+    ref = REFERENCES[check]
+    assert CHECK_CELLS[check].chapter == ref.cell.chapter
+    exercises = [ex for ch in CHAPTERS for ex in ch.exercises if ex.label == ref.cell.solution_of]
+    assert len(exercises) == 1, f"no exercise labelled {ref.cell.solution_of}"
+    assert f"{check}(" in exercises[0].text, (
+        f"the exercise {ref.cell.solution_of} should tell the student to run {check}(...)")
+
+
+@pytest.mark.parametrize("check", CHECK_NAMES)
+def test_the_stub_shows_a_docstring_with_the_shapes(check):
+    """The docstring is all a student sees of the reference solution."""
+    stub, calls = stub_code(REFERENCES[check].cell.source)
+    tree = ast.parse(stub)
+    functions = {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef)}
+    for name in REFERENCES[check].functions:
+        doc = ast.get_docstring(functions[name])
+        assert doc and "->" in doc and "(" in doc, (
+            f"{name}: the docstring should give the arguments and the result, with shapes")
+    assert check in calls
+
+
+@pytest.mark.parametrize("check", CHECK_NAMES)
+def test_line_lengths(check):
+    for line in CHECK_CELLS[check].source.splitlines():
+        assert len(line) <= 100, f"{check} cell: {len(line)} columns: {line}"
+    for line in REFERENCES[check].cell.source.splitlines():
+        assert len(line) <= 79, f"solution of {check}: {len(line)} columns: {line}"
