@@ -357,6 +357,8 @@ def convert(md_path: Path, env, docname: str, glue: dict, executed=None):
                               f"{len(converter.headings)} sections")
     if res.cited:
         cells.append(markdown_cell(res.references(), []))
+    for index, cell in enumerate(cells):
+        cell.id = f"cell-{index}"  # nbformat draws random ids; rebuilds must not change a byte
     notebook = nbformat.v4.new_notebook(cells=cells)
     notebook.metadata = {
         "kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"},

@@ -201,7 +201,15 @@ def student_notebook(notebook):
             cells.append(nbformat.v4.new_code_cell(stub[0]))
             if stub[1]:
                 cells.append(nbformat.v4.new_code_cell(stub[1]))
-    return nbformat.v4.new_notebook(cells=cells, metadata=copy.deepcopy(notebook.metadata))
+    return _renumbered(nbformat.v4.new_notebook(cells=cells,
+                                                metadata=copy.deepcopy(notebook.metadata)))
+
+
+def _renumbered(notebook):
+    """Cell ids by position, so that a rerun writes the same bytes."""
+    for index, cell in enumerate(notebook.cells):
+        cell.id = f"cell-{index}"
+    return notebook
 
 
 def write_student(out: pathlib.Path) -> list[pathlib.Path]:
@@ -270,7 +278,8 @@ def nbgrader_source(notebook, points: int = 1):
         test = nbformat.v4.new_code_cell(stub[1])
         test.metadata.update(_meta("test", f"test-{names}", points))
         cells += [answer, test]
-    return nbformat.v4.new_notebook(cells=cells, metadata=copy.deepcopy(notebook.metadata))
+    return _renumbered(nbformat.v4.new_notebook(cells=cells,
+                                                metadata=copy.deepcopy(notebook.metadata)))
 
 
 def write_assignments(out: pathlib.Path) -> list[pathlib.Path]:
