@@ -90,7 +90,7 @@ class Resolver:
 
     # values ----------------------------------------------------------------------------------
     def glue_text(self, spec: str) -> str:
-        key, _, fmt = spec.partition(":") if ":" in spec else (spec, "", "")
+        key, _, fmt = spec.rpartition(":") if ":" in spec else (spec, "", "")  # as myst-nb
         if key in self.wall_clock:
             return WALL_CLOCK_TEXT
         if key not in self.glue:

@@ -298,3 +298,23 @@ def test_every_notebook_runs_alone_as_in_colab(tmp_path):
         results = dict(pool.map(run, NOTEBOOKS))
     for name, files in results.items():
         assert "attention.py" in files, f"{name}: attention.py was not fetched"
+
+
+@pytest.mark.book
+def test_setup_cell_says_what_to_do_when_the_fetch_fails(tmp_path):
+    from nbclient import NotebookClient
+    from nbclient.exceptions import CellExecutionError
+
+    setup = read(NOTEBOOKS[0]).cells[1]
+    assert setup.source.startswith("# Setup, hidden in the book")
+    folder = tmp_path / "alone"
+    folder.mkdir()
+    notebook = nbformat.v4.new_notebook(cells=[setup])
+    missing = (tmp_path / "nowhere" / "attention.py").as_uri()
+    client = NotebookClient(notebook, timeout=60, kernel_name="python3",
+                            resources={"metadata": {"path": str(folder)}})
+    with pytest.raises(CellExecutionError) as info:
+        client.execute(env={**os.environ, "PYTHONPATH": "", "ATTENTION_PY_URL": missing})
+    message = str(info.value)
+    assert f"could not fetch {missing}" in message
+    assert "Upload code/attention.py next to this notebook" in message
