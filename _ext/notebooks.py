@@ -301,6 +301,22 @@ class Converter:
         return f"```python\n{source.rstrip()}\n```"
 
 
+def merged_streams(outputs) -> list:
+    """Outputs with consecutive prints to one stream joined, as the book shows them.
+
+    How a kernel splits a cell's printing into messages varies from run to run; joined, the
+    download notebook is the same on every build."""
+    merged = []
+    for output in copy.deepcopy(outputs):
+        previous = merged[-1] if merged else None
+        if (output.output_type == "stream" and previous is not None
+                and previous.output_type == "stream" and previous.name == output.name):
+            previous.text += output.text
+        else:
+            merged.append(output)
+    return merged
+
+
 def markdown_cell(source: str, tags: list[str]):
     import nbformat
     cell = nbformat.v4.new_markdown_cell(source.strip("\n"))
@@ -342,7 +358,7 @@ def convert(md_path: Path, env, docname: str, glue: dict, executed=None):
         if {"remove-cell", "remove-input"} & set(tags):
             new.metadata["jupyter"] = {"source_hidden": True}  # folded, as in the book
         if executed_code is not None:
-            new.outputs = copy.deepcopy(executed_code[code_index].outputs)
+            new.outputs = merged_streams(executed_code[code_index].outputs)
             new.execution_count = executed_code[code_index].execution_count
         code_index += 1
         cells.append(new)
