@@ -169,7 +169,7 @@ class Converter:
     def __init__(self, res: Resolver, srcdir: Path):
         self.res, self.srcdir = res, srcdir
         self.in_solution = False  # between {solution-start} and {solution-end}
-        self.headings = [n for key, n in res.env.toc_secnumbers[res.docname].items()]
+        self.headings = list(res.env.toc_secnumbers[res.docname].values())
         self.heading_index = 0
 
     def heading(self, line: str) -> str:
@@ -396,6 +396,10 @@ def dumps(notebook) -> str:
     return nbformat.writes(notebook) + "\n"
 
 
+def count_reads(app, env, docnames) -> None:
+    app._notebooks_docs_read = len(docnames)  # the pages this build reads again
+
+
 def write_notebooks(app, exception) -> None:
     if exception is not None or app.builder.format != "html":
         return
@@ -403,9 +407,11 @@ def write_notebooks(app, exception) -> None:
 
     out = Path(app.outdir)
     execute_dir = out.parent / "jupyter_execute"
-    for docname in sorted(app.env.found_docs):
-        if not CHAPTER.match(docname):
-            continue
+    chapters = [doc for doc in sorted(app.env.found_docs) if CHAPTER.match(doc)]
+    written = [out.parent / "notebooks" / f"{doc}.ipynb" for doc in chapters]
+    if not getattr(app, "_notebooks_docs_read", 1) and all(p.exists() for p in written):
+        return  # no page was read again, so nothing a notebook is made from has changed
+    for docname, plain in zip(chapters, written):
         glue_file = execute_dir / f"{docname}.glue.json"
         glue = json.loads(glue_file.read_text()) if glue_file.exists() else {}
         executed = nbformat.read(execute_dir / f"{docname}.ipynb", as_version=4)
@@ -413,11 +419,11 @@ def write_notebooks(app, exception) -> None:
         download = out / "_sources" / f"{docname}.ipynb"
         download.parent.mkdir(parents=True, exist_ok=True)
         download.write_text(dumps(notebook))
-        plain = out.parent / "notebooks" / f"{docname}.ipynb"
         plain.parent.mkdir(parents=True, exist_ok=True)
         plain.write_text(dumps(strip_outputs(notebook)))
 
 
 def setup(app):
+    app.connect("env-before-read-docs", count_reads)
     app.connect("build-finished", write_notebooks)
     return {"parallel_read_safe": True, "parallel_write_safe": True}

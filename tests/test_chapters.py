@@ -7,17 +7,13 @@ import re
 
 import pytest
 
-from classroom import setup_cell
+from classroom import numbered_chapters, setup_cell
 from conftest import toc_docs
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CHAPTERS = ROOT / "chapters"
 
 SETUP_CELL = setup_cell()  # tests/classroom.py renders it with the URL from _config.yml
-
-
-def numbered_chapters() -> list[pathlib.Path]:
-    return sorted(CHAPTERS.glob("[0-9][0-9]-*.md"))
 
 
 def test_toc_and_chapter_folder_agree():
