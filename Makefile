@@ -13,8 +13,8 @@ PORT   ?= 8000
 # references nitpicky (-n), and all warnings reported before failing (--keep-going).
 JB_FLAGS := --all -W -n --keep-going
 
-.PHONY: book html bench test test-code clean serve venv chapter screenshots notebooks student \
-        assignments
+.PHONY: book html bench test test-code clean serve venv browser chapter screenshots notebooks \
+        student assignments
 
 venv: $(STAMP)
 
@@ -23,11 +23,17 @@ $(STAMP): requirements.txt
 	$(BIN)/python -m pip install --quiet -r requirements.txt
 	touch $(STAMP)
 
-# tests/build_book.py is `jupyter-book build` with Sphinx's parallel reading, so chapters
+# A Chromium for the site tests and screenshots: the system's or Playwright's if one starts,
+# else installed by Playwright's installer or, as root, Debian's package (tools/chromium.py).
+# Its path goes to .venv/chromium-path. Checked on every run; installs only when none starts.
+browser: $(STAMP)
+	$(BIN)/python tools/chromium.py ensure
+
+# tools/build_book.py is `jupyter-book build` with Sphinx's parallel reading, so chapters
 # execute side by side on all cores (BOOK_JOBS=1 for one at a time).
 book: $(STAMP)
 	rm -rf _build/html _build/.doctrees _build/jupyter_execute _build/notebooks
-	$(BIN)/python tests/build_book.py . $(JB_FLAGS)
+	$(BIN)/python tools/build_book.py . $(JB_FLAGS)
 
 # The chapter notebooks that Colab, Binder and the download button give readers: every build
 # writes them (_ext/notebooks.py) to _build/notebooks/; this copies them into chapters/, where they
@@ -38,23 +44,23 @@ notebooks: book
 # One notebook per chapter for students, in _build/student/: solutions out, stubs and checks in.
 student: $(STAMP)
 	rm -rf _build/student
-	$(BIN)/python tests/classroom.py student _build/student
+	$(BIN)/python tools/classroom.py student _build/student
 
 # An nbgrader course directory in _build/nbgrader/ (see chapters/instructors.md).
 assignments: $(STAMP)
 	rm -rf _build/nbgrader
-	$(BIN)/python tests/classroom.py assignments _build/nbgrader
+	$(BIN)/python tools/classroom.py assignments _build/nbgrader
 
 # Incremental: re-reads (and re-executes) only pages whose source, or code/attention.py, changed.
 html: $(STAMP)
-	$(BIN)/python tests/build_book.py . -W -n --keep-going
+	$(BIN)/python tools/build_book.py . -W -n --keep-going
 
 # Build time, no-op rebuild, per-chapter execution, site size, module speed against PyTorch.
 bench: $(STAMP)
-	$(BIN)/python tests/bench.py
+	$(BIN)/python tools/bench.py
 
 # The module's tests first (fast), then the whole book, strictly.
-test: $(STAMP)
+test: $(STAMP) browser
 	$(BIN)/python -m pytest
 
 # The fast tests only: the module and the chapter sources, no book build, no browser.
@@ -71,11 +77,10 @@ clean:
 
 # Execute one chapter as the build does and list its slowest cells: make chapter NAME=03-scaling
 chapter: $(STAMP)
-	$(BIN)/python tests/run_chapter.py chapters/$(NAME).md --cells
+	$(BIN)/python tools/run_chapter.py chapters/$(NAME).md --cells
 
 # Full-page screenshots of every page at desktop (1280 px) and phone (390 px) width, offline,
-# into _build/screenshots/ (builds the book first when _build/html is missing). Needs Debian's
-# chromium, as the site tests do.
-screenshots: $(STAMP)
+# into _build/screenshots/ (builds the book first when _build/html is missing).
+screenshots: $(STAMP) browser
 	test -f _build/html/index.html || $(MAKE) book
-	$(BIN)/python tests/screenshots.py _build/html _build/screenshots
+	$(BIN)/python tools/screenshots.py _build/html _build/screenshots

@@ -12,7 +12,7 @@ cross-reference titles, citations, glued values) and writes two notebooks per ch
   tests/test_book.py fails when the committed copies differ from what the build writes.
 
 Solutions become cells of their own tagged ``solution`` (the code cells of a solution already
-are), so tests/classroom.py can remove them for students. Numbers glued from cells tagged
+are), so tools/classroom.py can remove them for students. Numbers glued from cells tagged
 ``wall-clock`` are timings that change on every run; the notebooks point at the cell output
 instead of freezing one build's measurement.
 """

@@ -28,7 +28,7 @@ def build_book(out: pathlib.Path):
     Returns (returncode, log, build_dir) where build_dir holds html/, jupyter_execute/ and
     .doctrees/.
     """
-    cmd = [sys.executable, str(ROOT / "tests" / "build_book.py"), str(ROOT),
+    cmd = [sys.executable, str(ROOT / "tools" / "build_book.py"), str(ROOT),
            "--path-output", str(out), "--all", "-W", "-n", "--keep-going"]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
                           env={**os.environ, "PYTHONHASHSEED": "0"})

@@ -13,7 +13,7 @@ from conftest import toc_docs
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CHAPTERS = ROOT / "chapters"
 
-SETUP_CELL = setup_cell()  # tests/classroom.py renders it with the URL from _config.yml
+SETUP_CELL = setup_cell()  # tools/classroom.py renders it with the URL from _config.yml
 
 
 def test_toc_and_chapter_folder_agree():
@@ -43,8 +43,8 @@ class TestChapter:
         text = path.read_text()
         first = text.index("```{code-cell}")
         assert text[first:first + len(SETUP_CELL)] == SETUP_CELL, (
-            "the first cell differs from tests/classroom.py's template (after changing "
-            "_config.yml's repository, run `python tests/classroom.py setup-cell`)")
+            "the first cell differs from tools/classroom.py's template (after changing "
+            "_config.yml's repository, run `python tools/classroom.py setup-cell`)")
 
     def test_imports_the_module_and_defines_no_copy(self, path):
         text = path.read_text()

@@ -7,7 +7,7 @@ calls the check on it. Here each check must
 * run with nothing but `torch` defined (in a student notebook it sits far from the chapter's
   other cells, and the cells that define the chapter's data may not have run);
 * accept the reference solution, and other correct ways of writing it;
-* reject the stub a student starts from (tests/classroom.py, `stub_code`) with a message
+* reject the stub a student starts from (tools/classroom.py, `stub_code`) with a message
   saying the function is not written yet;
 * reject every wrong answer of the catalogue below with a message that names the mistake.
 

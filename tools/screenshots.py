@@ -1,10 +1,10 @@
 """Full-page screenshots of every page of the built site, desktop- and phone-width.
 
-    python tests/screenshots.py [HTML_DIR] [OUT_DIR]      (`make screenshots`)
+    python tools/screenshots.py [HTML_DIR] [OUT_DIR]      (`make screenshots`)
 
 Defaults: _build/html and _build/screenshots. Writes OUT_DIR/desktop-1280/<page>.png and
 OUT_DIR/phone-390/<page>.png, one per page, offline and after the math is typeset, with the
-same server and browser as the site tests (tests/site_browser.py).
+same server and browser as the site tests (tools/site_browser.py).
 """
 
 from __future__ import annotations

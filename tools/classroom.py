@@ -224,7 +224,7 @@ def write_student(out: pathlib.Path) -> list[pathlib.Path]:
 
 
 NBGRADER_CONFIG = """\
-# nbgrader configuration of the course that `make assignments` writes (tests/classroom.py).
+# nbgrader configuration of the course that `make assignments` writes (tools/classroom.py).
 c = get_config()  # noqa: F821 (nbgrader provides it)
 c.CourseDirectory.course_id = "attention-computed"
 # A student finds exactly the stub that the book's student notebooks have.

@@ -2,8 +2,8 @@
 its pages in headless Chromium, offline.
 
 Used by tests/test_site.py (the browser, accessibility and keyboard checks) and by
-tests/screenshots.py (`make screenshots`). The browser is Debian's chromium at
-/usr/bin/chromium, driven by playwright-python; no browser is ever downloaded.
+tools/screenshots.py (`make screenshots`). The browser is the Chromium that `make browser`
+(tools/chromium.py) found or installed, driven by playwright-python.
 """
 
 from __future__ import annotations
@@ -20,15 +20,7 @@ import threading
 import urllib.parse
 from collections.abc import Iterator
 
-CHROMIUM = pathlib.Path("/usr/bin/chromium")
-# Headless (playwright adds --headless), as root, without a GPU; the last four keep Chromium
-# from calling Google's servers, which this machine's closed network refuses.
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update",
-                 "--disable-sync", "--disable-quic"]
-MISSING_CHROMIUM = (f"Debian's Chromium is not installed at {CHROMIUM}: the site tests need it. "
-                    "Install it with `apt-get update && apt-get install -y chromium` "
-                    "(.ci/run does this before `make test`).")
+import chromium
 
 DESKTOP = {"width": 1280, "height": 900}
 PHONE = {"width": 390, "height": 844}
@@ -87,10 +79,8 @@ def is_local(url: str) -> bool:
 
 
 def launch(playwright):
-    """Start Debian's Chromium headless; raises RuntimeError with MISSING_CHROMIUM if absent."""
-    if not CHROMIUM.is_file():
-        raise RuntimeError(MISSING_CHROMIUM)
-    return playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS,
+    """Start the recorded Chromium headless; RuntimeError naming the fix when there is none."""
+    return playwright.chromium.launch(executable_path=chromium.recorded(), args=chromium.ARGS,
                                       headless=True)
 
 

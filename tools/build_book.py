@@ -4,7 +4,7 @@ Jupyter Book 1 runs Sphinx with one process; its command line has no `-j`. Every
 the book uses declares itself safe for parallel reading, and reading a chapter is where its
 notebook executes, so asking Sphinx for several processes runs several chapters at once.
 
-    python tests/build_book.py [jupyter-book build arguments ...]
+    python tools/build_book.py [jupyter-book build arguments ...]
 
 The number of processes is $BOOK_JOBS, by default the number of cores.
 """

@@ -1,6 +1,6 @@
 """`make bench`: how fast the book builds and how fast the module runs, as one table.
 
-    python tests/bench.py [--skip-build]
+    python tools/bench.py [--skip-build]
 
 Measures, on this machine, in one run:
 - the clean build (every cell executed, as `make book`) and a no-op rebuild;
@@ -41,7 +41,7 @@ def timed(cmd: list[str]) -> float:
 
 
 def build_times(out: pathlib.Path) -> tuple[float, float, dict[str, float]]:
-    build = [sys.executable, str(ROOT / "tests" / "build_book.py"), str(ROOT),
+    build = [sys.executable, str(ROOT / "tools" / "build_book.py"), str(ROOT),
              "--path-output", str(out), "-W", "-n", "--keep-going"]
     clean = timed(build + ["--all"])
     noop = timed(build)

@@ -1,6 +1,6 @@
 """Execute one chapter the way the book build does and report where the time goes.
 
-    .venv/bin/python tests/run_chapter.py chapters/03-scaling.md [--cells]
+    .venv/bin/python tools/run_chapter.py chapters/03-scaling.md [--cells]
 
 Runs the MyST notebook with its working directory set to chapters/ (as myst-nb does), prints
 the total execution time and, with --cells, the slowest cells. Exits non-zero if a cell raises
