@@ -59,9 +59,11 @@ html: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python tools/bench.py
 
-# The module's tests first (fast), then the whole book, strictly.
+# The fast tests first (module, chapter sources, tools: a broken module fails in seconds), then
+# the whole book: one strict build, the site in Chromium, the notebooks alone, nbgrader.
 test: $(STAMP) browser
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -m "not book"
+	$(BIN)/python -m pytest -m book
 
 # The fast tests only: the module and the chapter sources, no book build, no browser.
 test-code: $(STAMP)

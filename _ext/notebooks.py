@@ -379,8 +379,18 @@ def convert(md_path: Path, env, docname: str, glue: dict, executed=None):
     notebook.metadata = {
         "kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"},
         "language_info": {"name": "python"},
+        # What the notebook was made from, so `make student` and `make assignments` can refuse
+        # a committed notebook that is older than its chapter (tools/classroom.py).
+        "made_from": made_from(md_path, Path(env.srcdir)),
     }
     return notebook
+
+
+def made_from(md_path: Path, srcdir: Path) -> dict[str, str]:
+    """{path: sha256} of the chapter source and the module its numbers come from."""
+    import hashlib
+    return {str(path.relative_to(srcdir)): hashlib.sha256(path.read_bytes()).hexdigest()
+            for path in (md_path, srcdir / "code" / "attention.py")}
 
 
 def strip_outputs(notebook):

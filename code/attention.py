@@ -146,7 +146,8 @@ def scaled_dot_product_attention(
     ``attn_mask`` is boolean (True = may attend) or floating (added to the
     scores), of any shape that broadcasts to ``(..., L, S)``.
     ``is_causal=True`` lets query i see keys 0..i; given together with
-    ``attn_mask``, both apply (PyTorch's function rejects the pair instead).
+    ``attn_mask``, both apply (PyTorch's function raises for the pair from
+    version 2.14 on, and in 2.13 on some backends).
     ``scale`` defaults to ``1 / sqrt(E)``. ``dropout_p`` drops weights at
     random (always, like PyTorch's function: pass 0 at evaluation). The
     returned weights are the ones the output was computed with, so
@@ -267,11 +268,12 @@ class MultiHeadAttention(nn.Module):
     in parallel; their outputs are concatenated and mixed by ``out_proj``.
     Same parameter count as ``torch.nn.MultiheadAttention(d_model,
     num_heads, bias=bias)``: 4 D^2 weights, plus 4 D biases if ``bias``.
+    ``device`` and ``dtype`` place the parameters, as in PyTorch's modules.
     """
 
     def __init__(
-        self, d_model: int, num_heads: int, dropout: float = 0.0,
-        bias: bool = True,
+        self, d_model: int, num_heads: int, *, dropout: float = 0.0,
+        bias: bool = True, device=None, dtype=None,
     ):
         super().__init__()
         if d_model < 1 or num_heads < 1 or d_model % num_heads != 0:
@@ -283,16 +285,18 @@ class MultiHeadAttention(nn.Module):
         self.num_heads = num_heads
         self.head_dim = d_model // num_heads
         self.dropout = dropout
-        self.q_proj = nn.Linear(d_model, d_model, bias=bias)
-        self.k_proj = nn.Linear(d_model, d_model, bias=bias)
-        self.v_proj = nn.Linear(d_model, d_model, bias=bias)
-        self.out_proj = nn.Linear(d_model, d_model, bias=bias)
+        place = {"bias": bias, "device": device, "dtype": dtype}
+        self.q_proj = nn.Linear(d_model, d_model, **place)
+        self.k_proj = nn.Linear(d_model, d_model, **place)
+        self.v_proj = nn.Linear(d_model, d_model, **place)
+        self.out_proj = nn.Linear(d_model, d_model, **place)
 
     def forward(
         self,
         query: Tensor,
         key: Tensor,
         value: Tensor,
+        *,
         attn_mask: Optional[Tensor] = None,
         is_causal: bool = False,
     ) -> tuple[Tensor, Tensor]:
@@ -384,9 +388,9 @@ class MultiHeadAttention(nn.Module):
                 "without add_bias_kv or add_zero_attn"
             )
         bias = m.in_proj_bias is not None
-        new = cls(m.embed_dim, m.num_heads, dropout=m.dropout, bias=bias)
         w = m.in_proj_weight
-        new = new.to(device=w.device, dtype=w.dtype)
+        new = cls(m.embed_dim, m.num_heads, dropout=m.dropout, bias=bias,
+                  device=w.device, dtype=w.dtype)
         D = m.embed_dim
         projections = (new.q_proj, new.k_proj, new.v_proj)
         with torch.no_grad():

@@ -262,7 +262,7 @@ def test_nbgrader_grades_reference_full_and_blank_below(graded, student, path):
 BLOCK_MYST_NB = 'raise ImportError("myst_nb is not installed here, as in Colab")\n'
 
 
-def run_alone(path: pathlib.Path, folder: pathlib.Path) -> pathlib.Path:
+def run_alone(path: pathlib.Path, folder: pathlib.Path):
     from nbclient import NotebookClient
 
     shutil.copy(path, folder / path.name)
@@ -281,21 +281,60 @@ def run_alone(path: pathlib.Path, folder: pathlib.Path) -> pathlib.Path:
         except RuntimeError as err:  # the port race above; a failing cell is not retried
             if "Kernel died before replying" not in str(err) or attempt == PORT_RACE_TRIES - 1:
                 raise
-    return folder
+    return notebook
+
+
+def comparable(outputs) -> list:
+    """A cell's outputs as a reader sees them: consecutive prints joined, glue records (which
+    only myst_nb writes) and execution counts left out, an error by its name and message."""
+    seen = []
+    for output in outputs:
+        kind = output["output_type"]
+        if kind == "stream":
+            if seen and seen[-1][0] == "stream" and seen[-1][1] == output["name"]:
+                seen[-1] = ("stream", output["name"], seen[-1][2] + output["text"])
+            else:
+                seen.append(("stream", output["name"], output["text"]))
+        elif kind == "error":
+            seen.append(("error", output["ename"], output["evalue"]))
+        else:
+            data = {mime: value for mime, value in output.get("data", {}).items()
+                    if not mime.startswith("application/papermill.record/")}
+            if data:
+                seen.append((kind, sorted(data.items())))
+    return seen
 
 
 @pytest.mark.book
-def test_every_notebook_runs_alone_as_in_colab(tmp_path):
+def test_every_notebook_runs_alone_as_in_colab_and_prints_what_the_book_shows(build, tmp_path):
+    """Each committed notebook, alone in an empty folder without myst_nb, fetches attention.py
+    and prints, cell for cell, what the book's build printed (cells tagged wall-clock time
+    themselves and are left out). This is also the determinism check: two executions of every
+    chapter, by two routes, agree."""
+    _, _, out = build
+
     def run(path):
         folder = tmp_path / path.stem / "work"
         folder.mkdir(parents=True)
-        run_alone(path, folder)
-        return path.stem, sorted(p.name for p in folder.iterdir())
+        notebook = run_alone(path, folder)
+        return path.stem, (notebook, sorted(p.name for p in folder.iterdir()))
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         results = dict(pool.map(run, NOTEBOOKS))
-    for name, files in results.items():
+    differ = []
+    for name, (notebook, files) in results.items():
         assert "attention.py" in files, f"{name}: attention.py was not fetched"
+        book = read(out / "jupyter_execute" / "chapters" / f"{name}.ipynb")
+        alone = [c for c in notebook.cells if c.cell_type == "code"]
+        built = [c for c in book.cells if c.cell_type == "code"]
+        assert [c.source for c in alone] == [c.source for c in built], name
+        for index, (mine, theirs) in enumerate(zip(alone, built)):
+            if "wall-clock" in theirs.metadata.get("tags", []):
+                continue
+            if comparable(mine.outputs) != comparable(theirs.outputs):
+                differ.append(f"{name}, code cell {index}: {theirs.source[:60]!r}")
+    assert not differ, "outputs differ between the build and the notebook run alone:\n" + (
+        "\n".join(differ))
 
 
 @pytest.mark.book
@@ -316,3 +355,30 @@ def test_setup_cell_says_what_to_do_when_the_fetch_fails(tmp_path):
     message = str(info.value)
     assert f"could not fetch {missing}" in message
     assert "Upload code/attention.py next to this notebook" in message
+
+
+# ---------------------------------------------------------------------------------------------
+# Derived files come from current sources
+
+
+def test_committed_notebooks_are_not_older_than_their_sources():
+    assert classroom.stale_notebooks() == [], "run `make notebooks` and commit the notebooks"
+
+
+def test_student_and_assignments_refuse_a_stale_notebook(tmp_path, monkeypatch):
+    copy = tmp_path / "book"
+    (copy / "code").mkdir(parents=True)
+    shutil.copytree(ROOT / "chapters", copy / "chapters")
+    shutil.copy(ROOT / "code" / "attention.py", copy / "code" / "attention.py")
+    monkeypatch.setattr(classroom, "ROOT", copy)
+    monkeypatch.setattr(classroom, "CHAPTERS", copy / "chapters")
+    assert classroom.stale_notebooks() == []
+    changed = MD[2].name
+    with open(copy / "chapters" / changed, "a") as f:
+        f.write("\nA sentence added after the last build.\n")
+    assert classroom.stale_notebooks() == [MD[2].with_suffix(".ipynb").name]
+    for write in (classroom.write_student, classroom.write_assignments):
+        with pytest.raises(SystemExit, match=r"older than their chapter.*make notebooks"):
+            write(tmp_path / write.__name__)
+    (copy / "code" / "attention.py").write_text("# changed\n")
+    assert len(classroom.stale_notebooks()) == len(NOTEBOOKS)

@@ -39,7 +39,8 @@ SETUP_CELL_TEMPLATE = '''```{code-cell} ipython3
 :tags: [remove-cell]
 # Setup, hidden in the book. Makes code/attention.py importable: from the repository when the
 # notebook sits in it, else (Colab, a download) fetched once into this folder. Without myst_nb,
-# glue() just shows its value. Then: reproducible SVG figures, short tensor printing.
+# glue() just shows its value. Then: reproducible SVG figures, short tensor printing, and the
+# torch version, compared with the one the book's text was checked with.
 import os, pathlib, sys, urllib.request
 sys.path.insert(0, str(pathlib.Path.cwd().parent / "code"))
 try:
@@ -69,11 +70,23 @@ matplotlib.rcParams.update({"svg.hashsalt": "attention-computed", "image.cmap": 
 import torch
 torch.set_printoptions(precision=3, sci_mode=False)
 torch.set_num_threads(1)  # small tensors: one thread is as fast, and chapters can run side by side
+BOOK_TORCH = "@TORCH@"  # requirements.txt's pin
+print(f"torch {torch.__version__}", "" if torch.__version__.split("+")[0] == BOOK_TORCH else
+      f"(the book was checked with {BOOK_TORCH}: where its text names that version, an "
+      "output here may differ)")
 ```'''
 
 
+def torch_pin() -> str:
+    """The torch version requirements.txt pins, which the book's text was checked with."""
+    pin = re.search(r"^torch==(\S+)$", (ROOT / "requirements.txt").read_text(), re.M)
+    assert pin, "requirements.txt must pin torch exactly"
+    return pin.group(1)
+
+
 def setup_cell() -> str:
-    return SETUP_CELL_TEMPLATE.replace("@RAW@", repository()["raw"])
+    return (SETUP_CELL_TEMPLATE.replace("@RAW@", repository()["raw"])
+            .replace("@TORCH@", torch_pin()))
 
 
 def numbered_chapters() -> list[pathlib.Path]:
@@ -173,6 +186,35 @@ def chapter_notebooks() -> list[pathlib.Path]:
     return sorted(CHAPTERS.glob("[0-9][0-9]-*.ipynb"))
 
 
+def stale_notebooks() -> list[str]:
+    """Committed notebooks older than what they were made from (their chapter's source or
+    code/attention.py), or with no chapter source at all; [] when all are fresh."""
+    import hashlib
+    import json
+
+    stale = [f"{md.stem}.ipynb (missing)" for md in numbered_chapters()
+             if not md.with_suffix(".ipynb").is_file()]
+    for path in chapter_notebooks():
+        made_from = json.loads(path.read_text()).get("metadata", {}).get("made_from", {})
+        sources = {name: ROOT / name for name in made_from}
+        if (f"chapters/{path.stem}.md" not in made_from
+                or any(not file.is_file()
+                       or hashlib.sha256(file.read_bytes()).hexdigest() != made_from[name]
+                       for name, file in sources.items())):
+            stale.append(path.name)
+    return stale
+
+
+def fresh_chapter_notebooks() -> list[pathlib.Path]:
+    """chapter_notebooks(), after making sure none is stale; SystemExit naming them if so."""
+    stale = stale_notebooks()
+    if stale:
+        raise SystemExit("These chapter notebooks are older than their chapter or "
+                         f"code/attention.py: {', '.join(stale)}. Run `make notebooks` first "
+                         "(it rebuilds the book and writes them), then try again.")
+    return chapter_notebooks()
+
+
 def _tags(cell) -> list[str]:
     return list(cell.metadata.get("tags", []))
 
@@ -213,13 +255,17 @@ def _renumbered(notebook):
 
 
 def write_student(out: pathlib.Path) -> list[pathlib.Path]:
+    """Student notebooks in out/, with attention.py beside them so that they run offline."""
+    import shutil
+
     import nbformat
 
     out.mkdir(parents=True, exist_ok=True)
     written = []
-    for path in chapter_notebooks():
+    for path in fresh_chapter_notebooks():
         nbformat.write(student_notebook(nbformat.read(path, as_version=4)), out / path.name)
         written.append(out / path.name)
+    shutil.copy(ROOT / "code" / "attention.py", out / "attention.py")
     return written
 
 
@@ -297,7 +343,7 @@ def write_assignments(out: pathlib.Path) -> list[pathlib.Path]:
     config = NBGRADER_CONFIG.replace("@STUB@", json.dumps(STUB_BODY))
     (out / "nbgrader_config.py").write_text(config)
     written = []
-    for path in chapter_notebooks():
+    for path in fresh_chapter_notebooks():
         folder = out / "source" / path.stem
         folder.mkdir(parents=True, exist_ok=True)
         nbformat.write(nbgrader_source(nbformat.read(path, as_version=4)), folder / path.name)
