@@ -8,7 +8,9 @@ Measures, on this machine, in one run:
 - the floor: one kernel start plus `import torch, matplotlib`, once per chapter;
 - the size of the site and its heaviest page;
 - the forward time of code/attention.py against PyTorch's math path of
-  `scaled_dot_product_attention` and against `torch.nn.MultiheadAttention`, as ratios.
+  `scaled_dot_product_attention` and against `torch.nn.MultiheadAttention`, as ratios;
+- `make test` itself: the fast tests and the book tests, per test file, and per chapter
+  against the budget of 40 s of suite per chapter (--skip-suite leaves this out).
 The table is printed and written to _build/bench.md.
 """
 
@@ -50,6 +52,26 @@ def build_times(out: pathlib.Path) -> tuple[float, float, dict[str, float]]:
     chapters = {doc.split("/")[-1]: data["exec_data"]["runtime"]
                 for doc, data in env.nb_metadata.items() if data.get("exec_data")}
     return clean, noop, dict(sorted(chapters.items()))
+
+
+SUITE_BUDGET_PER_CHAPTER = 40.0  # seconds of `make test` per chapter on the 2-core machine
+
+
+def suite_times() -> tuple[dict[str, float], dict[str, float]]:
+    """Wall time of the two pytest runs of `make test`, and the seconds each test file took
+    (setup included), from pytest's JUnit report."""
+    import xml.etree.ElementTree as ET
+
+    walls, files = {}, {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for marker in ("not book", "book"):
+            report = pathlib.Path(tmp) / "junit.xml"
+            walls[marker] = timed([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                                   "-m", marker, f"--junitxml={report}"])
+            for case in ET.parse(report).iter("testcase"):
+                name = case.get("classname", "").split(".")[0]
+                files[name] = files.get(name, 0.0) + float(case.get("time", 0))
+    return walls, dict(sorted(files.items(), key=lambda kv: -kv[1]))
 
 
 def floor_seconds(repeats: int = 3) -> float:
@@ -130,7 +152,8 @@ def forward_ratios() -> list[tuple[str, float, float, float]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--skip-build", action="store_true", help="only the module timings")
+    parser.add_argument("--skip-build", action="store_true", help="no build timings")
+    parser.add_argument("--skip-suite", action="store_true", help="no `make test` timings")
     args = parser.parse_args()
 
     lines = [f"Machine: {os.cpu_count()} cores, {platform.processor() or platform.machine()}, "
@@ -159,6 +182,22 @@ def main() -> None:
             "", "| site | |", "| --- | ---: |",
             f"| total size | {total:.1f} MiB |",
             f"| heaviest page (HTML + its images) | {heaviest}, {heaviest_mb:.2f} MiB |",
+            "",
+        ]
+    if not args.skip_suite:
+        walls, files = suite_times()
+        n = len(list((ROOT / "chapters").glob("[0-9][0-9]-*.md")))
+        total = sum(walls.values())
+        per_chapter = total / n
+        verdict = "met" if per_chapter <= SUITE_BUDGET_PER_CHAPTER else "NOT met"
+        lines += [
+            "| `make test` | seconds |", "| --- | ---: |",
+            f"| fast tests, `pytest -m \"not book\"` (wall) | {walls['not book']:.1f} |",
+            f"| book tests, `pytest -m book` (wall) | {walls['book']:.1f} |",
+            *[f"| &nbsp;&nbsp;{name} (summed test time) | {sec:.1f} |" for name, sec in files.items()
+              if sec >= 1.0],
+            f"| per chapter ({n} chapters) | {per_chapter:.1f} |",
+            f"| budget: {SUITE_BUDGET_PER_CHAPTER:.0f} s per chapter | {verdict} |",
             "",
         ]
     lines += ["| forward pass (CPU, 1 thread, no grad, best of 30) | module ms | PyTorch ms | ratio |",
