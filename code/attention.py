@@ -170,7 +170,7 @@ def scaled_dot_product_attention(
 
     if attn_mask is not None:
         scores = _apply_mask(scores, attn_mask, query, key)
-    if is_causal:
+    if is_causal and L > 0 and S > 0:  # an empty sequence has nothing to mask
         future = ~causal_mask(L, S, device=scores.device)  # (L, S)
         scores = scores.masked_fill_(future, float("-inf"))
 

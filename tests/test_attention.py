@@ -242,12 +242,14 @@ class TestScaledDotProductAttention:
         assert (w[0, 1] == 0).all() and (w[1] == 0).all()
         torch.testing.assert_close(out, reference(q, k, v, attn_mask=mask))
 
+    @pytest.mark.parametrize("is_causal", [False, True])
     @pytest.mark.parametrize("L,S", [(3, 0), (0, 3), (0, 0)])
-    def test_empty_sequences_match_torch(self, L, S):
+    def test_empty_sequences_match_torch(self, L, S, is_causal):
         q, k, v = qkv((2,), L, S, 4, 5, seed=24)
-        out, w = scaled_dot_product_attention(q, k, v)
+        out, w = scaled_dot_product_attention(q, k, v, is_causal=is_causal)
         assert out.shape == (2, L, 5) and w.shape == (2, L, S)
-        torch.testing.assert_close(out, reference(q, k, v))  # no keys: a zero output
+        # no keys: a zero output
+        torch.testing.assert_close(out, reference(q, k, v, is_causal=is_causal))
 
     @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
     def test_half_precision(self, dtype):
@@ -519,6 +521,27 @@ class TestMultiHeadAttention:
             MultiHeadAttention.from_torch(torch.nn.MultiheadAttention(8, 2, add_bias_kv=True))
         with pytest.raises(TypeError):
             MultiHeadAttention.from_torch(torch.nn.Linear(8, 8))
+
+    def test_arguments_after_num_heads_and_value_are_keyword_only(self):
+        # nn.MultiheadAttention's fourth argument is key_padding_mask, ours would have been
+        # attn_mask: a positional mask would silently mean something else.
+        with pytest.raises(TypeError):
+            MultiHeadAttention(8, 2, 0.1)
+        mha = MultiHeadAttention(8, 2)
+        x = torch.randn(1, 3, 8)
+        with pytest.raises(TypeError):
+            mha(x, x, x, torch.ones(3, 3, dtype=torch.bool))
+
+    def test_dtype_and_device_place_the_parameters(self):
+        mha = MultiHeadAttention(8, 2, dtype=torch.float64, device="cpu")
+        assert {p.dtype for p in mha.parameters()} == {torch.float64}
+        ref = torch_mha(8, 2, seed=44).double()
+        mine = MultiHeadAttention.from_torch(ref)
+        assert {p.dtype for p in mine.parameters()} == {torch.float64}
+        x = torch.randn(2, 5, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(45))
+        out, _ = mine(x, x, x)
+        out_ref, _ = ref(x, x, x, need_weights=False)
+        torch.testing.assert_close(out, out_ref, rtol=1e-12, atol=1e-12)
 
     def test_dropout_only_in_training(self):
         mha = MultiHeadAttention(8, 2, dropout=0.5)
