@@ -291,9 +291,10 @@ class Converter:
 
     def listing(self, path: str, opts: dict[str, str]) -> str:
         source = (self.srcdir / Path(self.res.docname).parent / path).resolve().read_text()
-        if "pyobject" in opts:
-            node = next(n for n in ast.parse(source).body
-                        if getattr(n, "name", None) == opts["pyobject"])
+        if "pyobject" in opts:  # a name, or Class.method, as Sphinx's literalinclude reads it
+            node = ast.parse(source)
+            for name in opts["pyobject"].split("."):
+                node = next(n for n in node.body if getattr(n, "name", None) == name)
             lines = source.splitlines()[node.lineno - 1 - len(node.decorator_list):node.end_lineno]
             source = "\n".join(lines)
         elif set(opts) - {"language"}:
@@ -355,7 +356,7 @@ def convert(md_path: Path, env, docname: str, glue: dict, executed=None):
         new = nbformat.v4.new_code_cell(cell.source)
         if tags:
             new.metadata["tags"] = tags
-        if {"remove-cell", "remove-input"} & set(tags):
+        if {"remove-cell", "remove-input", "hide-input"} & set(tags):
             new.metadata["jupyter"] = {"source_hidden": True}  # folded, as in the book
         if executed_code is not None:
             new.outputs = merged_streams(executed_code[code_index].outputs)

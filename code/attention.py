@@ -268,12 +268,16 @@ class MultiHeadAttention(nn.Module):
     in parallel; their outputs are concatenated and mixed by ``out_proj``.
     Same parameter count as ``torch.nn.MultiheadAttention(d_model,
     num_heads, bias=bias)``: 4 D^2 weights, plus 4 D biases if ``bias``.
-    ``device`` and ``dtype`` place the parameters, as in PyTorch's modules.
+    Keys and values may come from a sequence of another width (an encoder
+    of another size): ``kdim`` and ``vdim`` are then the widths that
+    ``k_proj`` and ``v_proj`` read, as in PyTorch's module. ``device`` and
+    ``dtype`` place the parameters.
     """
 
     def __init__(
         self, d_model: int, num_heads: int, *, dropout: float = 0.0,
-        bias: bool = True, device=None, dtype=None,
+        bias: bool = True, kdim: Optional[int] = None,
+        vdim: Optional[int] = None, device=None, dtype=None,
     ):
         super().__init__()
         if d_model < 1 or num_heads < 1 or d_model % num_heads != 0:
@@ -282,13 +286,15 @@ class MultiHeadAttention(nn.Module):
                 f"num_heads={num_heads}"
             )
         self.d_model = d_model
+        self.kdim = d_model if kdim is None else kdim
+        self.vdim = d_model if vdim is None else vdim
         self.num_heads = num_heads
         self.head_dim = d_model // num_heads
         self.dropout = dropout
         place = {"bias": bias, "device": device, "dtype": dtype}
         self.q_proj = nn.Linear(d_model, d_model, **place)
-        self.k_proj = nn.Linear(d_model, d_model, **place)
-        self.v_proj = nn.Linear(d_model, d_model, **place)
+        self.k_proj = nn.Linear(self.kdim, d_model, **place)
+        self.v_proj = nn.Linear(self.vdim, d_model, **place)
         self.out_proj = nn.Linear(d_model, d_model, **place)
 
     def forward(
@@ -352,10 +358,11 @@ class MultiHeadAttention(nn.Module):
                 "MultiHeadAttention expects 3-D (B, T, d_model) inputs; "
                 f"got {shapes}"
             )
-        if not (query.shape[-1] == key.shape[-1] == value.shape[-1]
-                == self.d_model):
+        widths = (query.shape[-1], key.shape[-1], value.shape[-1])
+        if widths != (self.d_model, self.kdim, self.vdim):
             raise ValueError(
-                f"last dim must be d_model={self.d_model}; got {shapes}"
+                f"last dims must be (d_model, kdim, vdim) = "
+                f"{(self.d_model, self.kdim, self.vdim)}; got {shapes}"
             )
         if not (query.shape[0] == key.shape[0] == value.shape[0]):
             raise ValueError(
@@ -374,28 +381,33 @@ class MultiHeadAttention(nn.Module):
         Build ``m`` with ``batch_first=True`` for inputs laid out the same
         way. PyTorch stacks W_Q, W_K, W_V in one ``(3D, D)``
         ``in_proj_weight``: rows ``[0, D)`` are W_Q, ``[D, 2D)`` W_K and
-        ``[2D, 3D)`` W_V.
+        ``[2D, 3D)`` W_V; with ``kdim`` or ``vdim`` other than D it keeps
+        them apart, as ``q_proj_weight``, ``k_proj_weight``,
+        ``v_proj_weight``.
         """
         if not isinstance(m, nn.MultiheadAttention):
             raise TypeError(
                 "from_torch expects torch.nn.MultiheadAttention, "
                 f"got {type(m).__name__}"
             )
-        if (not m._qkv_same_embed_dim or m.bias_k is not None
-                or m.add_zero_attn):
+        if m.bias_k is not None or m.add_zero_attn:
             raise ValueError(
-                "from_torch supports only kdim = vdim = embed_dim, "
-                "without add_bias_kv or add_zero_attn"
+                "from_torch supports neither add_bias_kv nor add_zero_attn"
             )
         bias = m.in_proj_bias is not None
-        w = m.in_proj_weight
+        if m._qkv_same_embed_dim:  # one stacked (3D, D) matrix
+            D = m.embed_dim
+            weights = [m.in_proj_weight[i * D:(i + 1) * D] for i in range(3)]
+        else:  # kdim or vdim differ: three matrices
+            weights = [m.q_proj_weight, m.k_proj_weight, m.v_proj_weight]
+        w = weights[0]
         new = cls(m.embed_dim, m.num_heads, dropout=m.dropout, bias=bias,
-                  device=w.device, dtype=w.dtype)
+                  kdim=m.kdim, vdim=m.vdim, device=w.device, dtype=w.dtype)
         D = m.embed_dim
         projections = (new.q_proj, new.k_proj, new.v_proj)
         with torch.no_grad():
             for i, proj in enumerate(projections):
-                proj.weight.copy_(w[i * D:(i + 1) * D])
+                proj.weight.copy_(weights[i])
                 if bias:
                     proj.bias.copy_(m.in_proj_bias[i * D:(i + 1) * D])
             new.out_proj.weight.copy_(m.out_proj.weight)

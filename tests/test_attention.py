@@ -372,7 +372,7 @@ class TestErrors:
     @pytest.mark.parametrize("shapes,match", [
         (((2, 3, 8), (2, 4, 8), (2, 5, 8)), "same length S"),
         (((2, 3, 8), (1, 4, 8), (1, 4, 8)), "batch size"),
-        (((2, 3, 6), (2, 4, 8), (2, 4, 8)), "d_model=8"),
+        (((2, 3, 6), (2, 4, 8), (2, 4, 8)), r"\(d_model, kdim, vdim\) = \(8, 8, 8\)"),
         (((3, 8), (4, 8), (4, 8)), "3-D"),
     ])
     def test_mha_bad_shapes(self, shapes, match):
@@ -514,9 +514,35 @@ class TestMultiHeadAttention:
             mine.q_proj.weight.zero_()
         assert ref.in_proj_weight.abs().sum() > 0
 
+    @pytest.mark.parametrize("kdim,vdim", [(6, 6), (6, 10), (8, 10)])
+    def test_kdim_vdim_match_torch(self, kdim, vdim):
+        torch.manual_seed(46)
+        ref = torch.nn.MultiheadAttention(8, 2, kdim=kdim, vdim=vdim, batch_first=True).eval()
+        with torch.no_grad():
+            ref.in_proj_bias.normal_()
+            ref.out_proj.bias.normal_()
+        mine = MultiHeadAttention.from_torch(ref)
+        assert (mine.k_proj.in_features, mine.v_proj.in_features) == (kdim, vdim)
+        assert sum(p.numel() for p in mine.parameters()) == sum(
+            p.numel() for p in ref.parameters())
+        g = torch.Generator().manual_seed(47)
+        q = torch.randn(2, 3, 8, generator=g)
+        k = torch.randn(2, 5, kdim, generator=g)
+        v = torch.randn(2, 5, vdim, generator=g)
+        keep = torch.rand(2, 5, generator=g) > 0.3
+        keep[:, 0] = True
+        out, w = mine(q, k, v, attn_mask=keep[:, None, None, :])
+        out_ref, w_ref = ref(q, k, v, key_padding_mask=~keep, average_attn_weights=False)
+        torch.testing.assert_close(out, out_ref)
+        torch.testing.assert_close(w, w_ref)
+
+    def test_kdim_vdim_wrong_width_names_the_shapes(self):
+        mha = MultiHeadAttention(8, 2, kdim=6, vdim=10)
+        q, k = torch.randn(1, 3, 8), torch.randn(1, 5, 6)
+        with pytest.raises(ValueError, match=r"\(d_model, kdim, vdim\) = \(8, 6, 10\)"):
+            mha(q, k, torch.randn(1, 5, 8))
+
     def test_from_torch_rejects_unsupported(self):
-        with pytest.raises(ValueError):
-            MultiHeadAttention.from_torch(torch.nn.MultiheadAttention(8, 2, kdim=4, vdim=4))
         with pytest.raises(ValueError):
             MultiHeadAttention.from_torch(torch.nn.MultiheadAttention(8, 2, add_bias_kv=True))
         with pytest.raises(TypeError):

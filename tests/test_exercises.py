@@ -578,11 +578,34 @@ def sm_float32_inside(scores, dim=-1):
     return (exp / torch.where(total > 0, total, torch.ones_like(total))).to(scores.dtype)
 
 
-@right(C4)
+@wrong(C4, "the gradient is NaN for the all -inf row")
 def sm_nan_to_zero(scores, dim=-1):
     top = scores.amax(dim=dim, keepdim=True).nan_to_num(0.0, 0.0, 0.0)
     exp = torch.exp(scores - top)
     return (exp / exp.sum(dim=dim, keepdim=True)).nan_to_num(0.0)
+
+
+@wrong(C4, "the gradient is NaN for the all -inf row")
+def sm_where_after_division(scores, dim=-1):
+    top = scores.amax(dim=dim, keepdim=True)
+    exp = torch.exp(scores - torch.where(top.isfinite(), top, torch.zeros_like(top)))
+    out = exp / exp.sum(dim=dim, keepdim=True)
+    return torch.where(out.isnan(), torch.zeros_like(out), out)
+
+
+@wrong(C4, "added to the denominator is 0 in float16")
+def sm_eps_in_denominator(scores, dim=-1):
+    top = scores.amax(dim=dim, keepdim=True)
+    exp = torch.exp(scores - torch.where(top.isfinite(), top, torch.zeros_like(top)))
+    return exp / (exp.sum(dim=dim, keepdim=True) + 1e-30)
+
+
+@right(C4)
+def sm_where_before_division(scores, dim=-1):
+    top = scores.amax(dim=dim, keepdim=True)
+    exp = torch.exp(scores - torch.where(top.isfinite(), top, torch.zeros_like(top)))
+    total = exp.sum(dim=dim, keepdim=True)
+    return exp / torch.where(total == 0, torch.ones_like(total), total)
 
 
 # --- chapter 5: check_causal_padding_mask(fn), fn(lengths, L) -> (B, L, L) boolean -----------
@@ -623,7 +646,7 @@ def mask_padding_off_by_one(lengths, L):
     return _mask(lengths, L, padding=lambda j, n: j[None] <= n[:, None, None])
 
 
-@wrong(C5, "padding on the wrong axis")
+@wrong(C5, "the rows of padded queries are all False")
 def mask_padding_on_queries(lengths, L):
     i = torch.arange(L)[:, None]
     return (torch.arange(L)[None, :] <= i)[None] & (i[None] < lengths[:, None, None])
@@ -637,6 +660,18 @@ def mask_no_padding(lengths, L):
 @wrong(C5, "not causal")
 def mask_not_causal(lengths, L):
     return _mask(lengths, L, causal=lambda i, j: torch.ones(L, L, dtype=torch.bool))
+
+
+@wrong(C5, "combined with OR")
+def mask_or(lengths, L):
+    i, j = torch.arange(L)[:, None], torch.arange(L)[None, :]
+    return (j <= i)[None] | (j[None] < lengths[:, None, None])
+
+
+@wrong(C5, "the rows of padded queries are all False")
+def mask_queries_and_keys(lengths, L):
+    i, j = torch.arange(L)[:, None], torch.arange(L)[None, :]
+    return _mask(lengths, L) & (i[None] < lengths[:, None, None])
 
 
 @wrong(C5, "expected a boolean mask (True = may attend), got torch.float32")
@@ -820,6 +855,43 @@ def merge_flatten(x):
     return x.permute(0, 2, 1, 3).flatten(2)
 
 
+# --- chapter 6: check_grouped_query_attention(fn), fn(q, k, v) -> (B, H, L, hd) ------------
+
+CG = "check_grouped_query_attention"
+
+
+@wrong(CG, "used key-value head")
+def gqa_repeat(q, k, v):
+    reps = (1, q.shape[1] // k.shape[1], 1, 1)
+    return scaled_dot_product_attention(q, k.repeat(*reps), v.repeat(*reps))[0]
+
+
+@wrong(CG, "used key-value head 0")
+def gqa_first_head_only(q, k, v):
+    return scaled_dot_product_attention(q, k[:, :1], v[:, :1])[0]
+
+
+@wrong(CG, "give every query head its key-value head")
+def gqa_no_grouping(q, k, v):
+    return scaled_dot_product_attention(q, k, v)[0]
+
+
+@wrong(CG, "expected a tensor, got tuple")
+def gqa_returns_both(q, k, v):
+    H, G = q.shape[1], k.shape[1]
+    return scaled_dot_product_attention(q, k.repeat_interleave(H // G, dim=1),
+                                        v.repeat_interleave(H // G, dim=1))
+
+
+@right(CG)
+def gqa_broadcast_groups(q, k, v):
+    B, H, L, hd = q.shape
+    G = k.shape[1]
+    grouped = q.reshape(B, G, H // G, L, hd)  # (B, G, H/G, L, hd)
+    out, _ = scaled_dot_product_attention(grouped, k[:, :, None], v[:, :, None])
+    return out.reshape(B, H, L, hd)
+
+
 # --- chapter 7: check_cross_attention(fn) ---------------------------------------------------
 
 C7 = "check_cross_attention"
@@ -836,6 +908,34 @@ def _cross(z_dec, z_enc, w_q, w_k, w_v, enc_lengths, scale=None, dim=-1, keep=No
         real = torch.arange(S) < enc_lengths[:, None] if keep is None else keep(S, enc_lengths)
         scores = scores.masked_fill(~real[:, None, :], float("-inf"))
     return softmax(scores, dim=dim) @ v
+
+
+@wrong(C7, "divided by sqrt(d_v)")
+def cross_scale_d_v(z_dec, z_enc, w_q, w_k, w_v, enc_lengths=None):
+    return _cross(z_dec, z_enc, w_q, w_k, w_v, enc_lengths,
+                  scale=1 / math.sqrt(w_v.shape[1]))
+
+
+@wrong(C7, "a causal mask in cross-attention")
+def cross_causal(z_dec, z_enc, w_q, w_k, w_v, enc_lengths=None):
+    q, k, v = z_dec @ w_q, z_enc @ w_k, z_enc @ w_v
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (B, L, S)
+    L, S = scores.shape[-2:]
+    keep = torch.ones(L, S, dtype=torch.bool).tril()  # top-left, as is_causal=True
+    if enc_lengths is not None:
+        keep = keep & (torch.arange(S) < enc_lengths[:, None])[:, None, :]
+    return softmax(scores.masked_fill(~keep, float("-inf")), dim=-1) @ v
+
+
+@wrong(C7, "query rows are masked")
+def cross_masks_query_rows(z_dec, z_enc, w_q, w_k, w_v, enc_lengths=None):
+    q, k, v = z_dec @ w_q, z_enc @ w_k, z_enc @ w_v
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (B, L, S)
+    if enc_lengths is not None:
+        L = scores.shape[-2]
+        rows = torch.arange(L) < enc_lengths[:, None]  # (B, L): the wrong axis
+        scores = scores.masked_fill(~rows[:, :, None], float("-inf"))
+    return softmax(scores, dim=-1) @ v
 
 
 @wrong(C7, "one row per encoder position")

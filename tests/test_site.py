@@ -165,6 +165,28 @@ PHONE_OVERFLOW_JS = """async () => {
     .concat([`the page is ${document.documentElement.scrollWidth} px wide on a ${width} px screen`]);
 }"""
 
+# Display equations wider than the column they sit in, and for each whether the reader can
+# scroll it (an ancestor with overflow-x auto or scroll) or it is cut off.
+MATH_OVERFLOW_JS = """async () => {
+  await new Promise(resolve => requestAnimationFrame(() => requestAnimationFrame(resolve)));
+  const found = [];
+  for (const box of document.querySelectorAll('div.math')) {
+    const math = box.querySelector('mjx-container mjx-math');
+    if (!math) continue;
+    const wide = math.getBoundingClientRect().width, room = box.clientWidth;
+    if (wide <= room + 1) continue;
+    let scroller = null;
+    for (let el = math.parentElement; el && el !== document.body; el = el.parentElement) {
+      const o = getComputedStyle(el).overflowX;
+      if (o !== 'visible') { scroller = o; break; }
+    }
+    found.push({width: Math.round(wide), room: room,
+                scrollable: scroller === 'auto' || scroller === 'scroll',
+                text: box.textContent.replace(/\\s+/g, ' ').trim().slice(0, 70)});
+  }
+  return found;
+}"""
+
 MAX_TABS = 3000  # Tab presses at most: far more than any page has focusable elements
 
 
@@ -227,9 +249,11 @@ def visit(page, url: str, path: str, external: list, html_dir: pathlib.Path, axe
         {"id": "code-color-contrast", "impact": "serious", "nodes": [],
          "help": f"highlighted code must meet WCAG AA contrast (4.5:1): {problem}"}
         for problem in page.evaluate(CODE_CONTRAST_JS)]
+    report["math_overflow_desktop"] = page.evaluate(MATH_OVERFLOW_JS)
     # Last, as a phone: nothing may make the page wider than the screen.
     page.set_viewport_size(sb.PHONE)
     report["phone_overflow"] = page.evaluate(PHONE_OVERFLOW_JS)
+    report["math_overflow_phone"] = page.evaluate(MATH_OVERFLOW_JS)
     report["seconds"] = time.perf_counter() - started
     return dict(report)
 
@@ -335,6 +359,26 @@ def test_keyboard_reaches_and_opens_every_dropdown(site):
     found = failures(with_toggles, lambda page, k: [f"Tab never reaches {t}" for t in k["unreachable"]]
                      + k["problems"])
     assert not found, format_failures(found)
+
+
+def test_every_display_equation_fits_its_column_at_desktop_width(site):
+    _, reports = site
+    found = failures(reports, lambda page, r: [
+        f"{m['width']} px in a {m['room']} px column: {m['text']}"
+        for m in r.get("math_overflow_desktop", [])])
+    assert not found, (f"display equations wider than their column at "
+                       f"{sb.DESKTOP['width']} px:\n" + format_failures(found))
+
+
+def test_display_equations_too_wide_for_a_phone_scroll_and_are_never_cut_off(site):
+    _, reports = site
+    wide = {page: r.get("math_overflow_phone", []) for page, r in reports.items()}
+    print(f"\ndisplay equations wider than a {sb.PHONE['width']} px phone: "
+          f"{sum(map(len, wide.values()))}")
+    found = failures(reports, lambda page, r: [
+        f"cut off: {m['text']}" for m in r.get("math_overflow_phone", [])
+        if not m["scrollable"]])
+    assert not found, "display equations cut off at phone width:\n" + format_failures(found)
 
 
 def test_no_page_scrolls_sideways_on_a_phone(site):
