@@ -21,7 +21,9 @@ def test_browser_prerequisite_stops_with_one_clear_message(tmp_path):
     env = {"HOME": str(tmp_path), "PATH": str(empty),  # no chromium, no apt-get on PATH
            "PLAYWRIGHT_BROWSERS_PATH": str(empty),  # Playwright's browsers: none there
            "PLAYWRIGHT_DOWNLOAD_HOST": "http://127.0.0.1:9"}  # its download: refused
-    proc = subprocess.run([shutil.which("make"), "-s", "browser"], cwd=ROOT, env=env,
+    # -o: take .venv as it is (this test must not reinstall it, and cannot with that PATH)
+    proc = subprocess.run([shutil.which("make"), "-s", "-o", ".venv/.installed", "browser"],
+                          cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     assert chromium.HOW_TO in proc.stderr
