@@ -69,7 +69,8 @@ def suite_times() -> tuple[dict[str, float], dict[str, float]]:
             walls[marker] = timed([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                                    "-m", marker, f"--junitxml={report}"])
             for case in ET.parse(report).iter("testcase"):
-                name = case.get("classname", "").split(".")[0]
+                parts = case.get("classname", "").split(".")  # tests.test_x[.TestClass]
+                name = next((part for part in parts if part.startswith("test_")), parts[0])
                 files[name] = files.get(name, 0.0) + float(case.get("time", 0))
     return walls, dict(sorted(files.items(), key=lambda kv: -kv[1]))
 
