@@ -8,13 +8,14 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PORT   ?= 8000
+COURSE ?= course
 
 # A strict, complete build: every page re-read (--all), warnings are errors (-W),
 # references nitpicky (-n), and all warnings reported before failing (--keep-going).
 JB_FLAGS := --all -W -n --keep-going
 
 .PHONY: book html bench test test-code clean serve venv browser chapter screenshots notebooks \
-        student assignments
+        student assignments release autograde feedback grades
 
 venv: $(STAMP)
 
@@ -46,10 +47,17 @@ student: $(STAMP)
 	rm -rf _build/student
 	$(BIN)/python tools/classroom.py student _build/student
 
-# An nbgrader course directory in _build/nbgrader/ (see chapters/instructors.md).
+# An nbgrader course in $(COURSE)/ (see chapters/instructors.md). Run again after a change to
+# the book, it rewrites source/ and keeps gradebook.db and every student's folder.
 assignments: $(STAMP)
-	rm -rf _build/nbgrader
-	$(BIN)/python tools/classroom.py assignments _build/nbgrader
+	$(BIN)/python tools/classroom.py assignments $(COURSE)
+
+# nbgrader's steps with the book's environment, activated or not: make release A=03-scaling
+release autograde feedback: $(STAMP)
+	$(BIN)/python tools/classroom.py $@ $(COURSE) $(A)
+
+grades: $(STAMP)
+	$(BIN)/python tools/classroom.py grades $(COURSE)
 
 # Incremental: re-reads (and re-executes) only pages whose source, or code/attention.py, changed.
 html: $(STAMP)

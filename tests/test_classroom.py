@@ -190,33 +190,27 @@ def test_course_layout_and_metadata(course):
         assert "setup" in grade_ids and any(g.startswith("check_") for g in grade_ids)
 
 
-# jupyter_client finds ports for a kernel by binding to free ones and releasing them; a kernel
-# started at the same moment elsewhere can take one first, and the kernel dies at start with
-# "Address already in use". Tests that start kernels side by side retry that failure, and only it.
-PORT_RACE_TRIES = 3
-
-
-def nbgrader(course: pathlib.Path, *args: str) -> str:
-    # nbgrader runs the `alembic` command of its environment: put .venv/bin first on PATH.
-    path = f"{pathlib.Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
-    for attempt in range(PORT_RACE_TRIES):
-        proc = subprocess.run([sys.executable, "-m", "nbgrader", *args], cwd=course,
-                              capture_output=True, text=True, timeout=600,
-                              env={**os.environ, "PATH": path})
-        log = proc.stdout + proc.stderr
-        if proc.returncode == 0 or "Address already in use" not in log:
-            break
-    assert proc.returncode == 0, log
-    return log
+def make(target: str, course: pathlib.Path, assignment: str = "") -> str:
+    """`make <target> COURSE=course A=assignment` with a PATH that has no trace of .venv: the
+    course's commands must work without the environment activated."""
+    env = {k: v for k, v in os.environ.items() if k not in {"VIRTUAL_ENV", "PYTHONPATH"}}
+    env["PATH"] = os.pathsep.join(p for p in os.environ.get("PATH", "").split(os.pathsep)
+                                  if ".venv" not in p and p != str(pathlib.Path(sys.executable).parent))
+    proc = subprocess.run(["make", "-s", target, f"COURSE={course}", f"A={assignment}"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
 
 
 def grade_chapter(course: pathlib.Path, name: str) -> dict:
-    """generate_assignment, then autograde the source (as 'reference') and the blank release."""
-    nbgrader(course, "generate_assignment", name, "--force")
+    """release, then autograde the source (as 'reference') and the blank release, and write
+    feedback, each with its make target."""
+    make("release", course, name)
     for student, folder in (("reference", "source"), ("blank", "release")):
         target = course / "submitted" / student / name
         shutil.copytree(course / folder / name, target, dirs_exist_ok=True)
-    nbgrader(course, "autograde", name, "--force")
+    summary = make("autograde", course, name)
+    make("feedback", course, name)
     from nbgrader.api import Gradebook
     with Gradebook(f"sqlite:///{course / 'gradebook.db'}") as gradebook:
         result = {}
@@ -224,7 +218,7 @@ def grade_chapter(course: pathlib.Path, name: str) -> dict:
             submission = gradebook.find_submission(name, student)
             result[student] = (submission.score, submission.max_score)
     release = read(course / "release" / name / f"{name}.ipynb")
-    return {"scores": result, "release": release}
+    return {"scores": result, "release": release, "summary": summary, "course": course}
 
 
 @pytest.fixture(scope="module")
@@ -382,3 +376,59 @@ def test_student_and_assignments_refuse_a_stale_notebook(tmp_path, monkeypatch):
             write(tmp_path / write.__name__)
     (copy / "code" / "attention.py").write_text("# changed\n")
     assert len(classroom.stale_notebooks()) == len(NOTEBOOKS)
+
+
+@pytest.mark.book
+def test_autograde_summary_and_grades_csv(graded):
+    one = graded[NOTEBOOKS[0].stem]
+    got, full = one["scores"]["reference"]
+    assert f"reference: {got:g} of {full:g}" in one["summary"]
+    course = one["course"]
+    make("grades", course)
+    rows = (course / "grades.csv").read_text().splitlines()
+    assert rows[0].startswith("assignment,") and len(rows) == 3, rows
+
+
+@pytest.mark.book
+def test_feedback_renders_math_offline(graded):
+    """Feedback pages load the course's MathJax: typeset, no errors, no request leaves."""
+    import site_browser
+
+    def visit(page, url, path, external):
+        ran = site_browser.open_page(page, url)
+        return (ran, page.locator("mjx-container").count(),
+                page.locator("mjx-merror").count(), list(external))
+
+    for name, run in graded.items():
+        page = f"feedback/reference/{name}/{name}.html"
+        ran, typeset, errors, external = site_browser.visit_pages(
+            run["course"], [page], visit, workers=1)[page]
+        assert ran and typeset > 0 and errors == 0 and not external, (
+            name, ran, typeset, errors, external)
+
+
+def test_assignments_again_keeps_grading_work(tmp_path):
+    """`make assignments` on an existing course rewrites source/ and touches nothing else."""
+    classroom.write_assignments(tmp_path)
+    name = NOTEBOOKS[0].stem
+    work = {"gradebook.db": "grades", f"submitted/s1/{name}/{name}.ipynb": "answer",
+            f"autograded/s1/{name}/{name}.ipynb": "graded", f"feedback/s1/{name}/x.html": "fb",
+            f"release/{name}/{name}.ipynb": "released", "course_config.py": "# mine"}
+    for rel, text in work.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    (tmp_path / "source" / name / f"{name}.ipynb").write_text("old")
+    out = make("assignments", tmp_path)
+    for rel, text in work.items():
+        assert (tmp_path / rel).read_text() == text, rel
+    assert read(tmp_path / "source" / name / f"{name}.ipynb").cells, "source/ was not rewritten"
+    assert "kept as they were: gradebook.db" in out
+    assert len(out.splitlines()) == len(NOTEBOOKS) + 1, out
+
+
+def test_course_commands_explain_a_missing_assignment(tmp_path):
+    with pytest.raises(SystemExit, match="not a course folder"):
+        classroom.course_command(tmp_path, "release", "01-intuition")
+    classroom.write_course_support(tmp_path)
+    with pytest.raises(SystemExit, match="make autograde A="):
+        classroom.course_command(tmp_path, "autograde", None)

@@ -270,14 +270,71 @@ def write_student(out: pathlib.Path) -> list[pathlib.Path]:
 
 
 NBGRADER_CONFIG = """\
-# nbgrader configuration of the course that `make assignments` writes (tools/classroom.py).
+# nbgrader configuration of the course, written by `make assignments` (tools/classroom.py)
+# each time it runs. Put settings of your own in course_config.py beside this file: it is read
+# last and never overwritten.
+import os
+
+import nbgrader
+
 c = get_config()  # noqa: F821 (nbgrader provides it)
+here = os.path.dirname(os.path.abspath(__file__))
 c.CourseDirectory.course_id = "attention-computed"
 # A student finds exactly the stub that the book's student notebooks have.
 c.ClearSolutions.code_stub = {"python": @STUB@}
 # Chapters train small models and run simulations: give each cell time.
 c.Execute.timeout = 120
+# Feedback pages load the course's own MathJax (mathjax/), not a CDN, so math renders offline:
+# the template feedback_offline is nbgrader's feedback template with another mathjax() macro.
+c.HTMLExporter.template_name = "@TEMPLATE@"
+c.HTMLExporter.extra_template_basedirs = [
+    os.path.join(here, "templates"),
+    os.path.join(os.path.dirname(nbgrader.__file__), "server_extensions", "formgrader",
+                 "templates")]
+if os.path.exists(os.path.join(here, "course_config.py")):
+    load_subconfig(os.path.join(here, "course_config.py"))  # noqa: F821
 """
+
+# nbconvert's templates import the macro `mathjax` from mathjax.html.j2; a template folder that
+# holds its own mathjax.html.j2 and names nbgrader's feedback template as its base replaces
+# just that macro. Feedback pages sit at feedback/<student>/<assignment>/, three levels below
+# the course folder, where mathjax/ is.
+FEEDBACK_TEMPLATE = "feedback_offline"
+FEEDBACK_MATHJAX = """\
+{#- Written by tools/classroom.py: the course's copy of MathJax 3 instead of a CDN. -#}
+{%- macro mathjax(url=None) -%}
+<script>
+window.MathJax = {tex: {inlineMath: [["$", "$"], ["\\\\(", "\\\\)"]],
+                        displayMath: [["$$", "$$"], ["\\\\[", "\\\\]"]],
+                        processEscapes: true, processEnvironments: true}};
+</script>
+<script src="../../../mathjax/tex-mml-chtml.js"></script>
+{%- endmacro -%}
+"""
+
+
+def write_course_support(out: pathlib.Path) -> None:
+    """nbgrader_config.py, the offline feedback template and the MathJax it loads."""
+    import json
+    import shutil
+    import sys
+
+    sys.path.insert(0, str(ROOT / "_ext"))
+    import offline_mathjax
+
+    config = (NBGRADER_CONFIG.replace("@STUB@", json.dumps(STUB_BODY))
+              .replace("@TEMPLATE@", FEEDBACK_TEMPLATE))
+    (out / "nbgrader_config.py").write_text(config)
+    template = out / "templates" / FEEDBACK_TEMPLATE
+    template.mkdir(parents=True, exist_ok=True)
+    (template / "conf.json").write_text(json.dumps(
+        {"base_template": "feedback", "mimetypes": {"text/html": True}}, indent=2) + "\n")
+    (template / "mathjax.html.j2").write_text(FEEDBACK_MATHJAX)
+    for name in offline_mathjax.files_to_copy():
+        target = out / "mathjax" / name
+        if not target.is_file():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(offline_mathjax.SOURCE / name, target)
 
 
 def _meta(kind: str, grade_id: str, points: int = 0) -> dict:
@@ -328,28 +385,121 @@ def nbgrader_source(notebook, points: int = 1):
                                                 metadata=copy.deepcopy(notebook.metadata)))
 
 
+def assignment_note(notebook) -> str:
+    """The note at the top of a released notebook: what is graded, for how much, and how."""
+    tests = [c.metadata["nbgrader"] for c in notebook.cells
+             if c.metadata.get("nbgrader", {}).get("grade")]
+    total = sum(t["points"] for t in tests)
+    functions = [t["grade_id"].removeprefix("test-") for t in tests]
+    listed = ", ".join(f"`{name}`" for name in functions)
+    return (
+        f"**Assignment.** {len(tests)} graded cell{'s' * (len(tests) != 1)}, {total} "
+        f"point{'s' * (total != 1)}, graded automatically: {listed}. Where an exercise asks "
+        "for code you will find the function's signature and `raise NotImplementedError()`: "
+        "replace that line with your code, keep the function's name and arguments, and run the "
+        "check cell below it, which tells you what is wrong or that every case passes. Do not "
+        "edit the locked cells (the first one, which makes the book's module `attention.py` "
+        "importable, and the cells that define the checks): grading restores them. When you "
+        "are done, restart the kernel, run every cell from the top, "
+        "save, and hand in this folder the way your course says (nbgrader's Assignments tab, "
+        "or an upload).")
+
+
 def write_assignments(out: pathlib.Path) -> list[pathlib.Path]:
     """An nbgrader course: nbgrader_config.py and source/<chapter>/<chapter>.ipynb.
 
-    Each assignment folder also holds attention.py, which nbgrader releases with the notebook,
-    so the notebook's first cell finds the module beside it, offline.
+    Run again after a change to the book, it rewrites the source notebooks and the files the
+    book provides, and nothing else: gradebook.db, release/, submitted/, autograded/,
+    feedback/ and course_config.py stay as they are. Each assignment folder also holds
+    attention.py, which nbgrader releases with the notebook, so the notebook's first cell finds
+    the module beside it, offline.
     """
-    import json
     import shutil
 
     import nbformat
 
     out.mkdir(parents=True, exist_ok=True)
-    config = NBGRADER_CONFIG.replace("@STUB@", json.dumps(STUB_BODY))
-    (out / "nbgrader_config.py").write_text(config)
+    write_course_support(out)
     written = []
     for path in fresh_chapter_notebooks():
         folder = out / "source" / path.stem
         folder.mkdir(parents=True, exist_ok=True)
-        nbformat.write(nbgrader_source(nbformat.read(path, as_version=4)), folder / path.name)
+        notebook = nbgrader_source(nbformat.read(path, as_version=4))
+        note = nbformat.v4.new_markdown_cell(assignment_note(notebook))
+        note.metadata.update(_meta("locked", "assignment-note"))
+        notebook.cells.insert(1, note)
+        nbformat.write(_renumbered(notebook), folder / path.name)
         shutil.copy(ROOT / "code" / "attention.py", folder / "attention.py")
         written.append(folder / path.name)
     return written
+
+
+# jupyter_client finds ports for a kernel by binding to free ones and releasing them; a kernel
+# started at the same moment elsewhere (two courses graded side by side, as the tests do) can
+# take one first, and the kernel dies at start with "Address already in use". That failure, and
+# only it, is retried.
+PORT_RACE_TRIES = 3
+
+
+def nbgrader(course: pathlib.Path, *args: str) -> str:
+    """Run one nbgrader command in ``course`` with this environment, activated or not.
+
+    nbgrader's autograde starts the `alembic` program of its own environment, so the folder of
+    this Python goes first on PATH. Raises SystemExit with nbgrader's log if the command fails.
+    """
+    import os
+    import subprocess
+    import sys
+
+    bin_dir = pathlib.Path(sys.executable).parent
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
+    for _ in range(PORT_RACE_TRIES):
+        proc = subprocess.run([sys.executable, "-m", "nbgrader", *args], cwd=course, env=env,
+                              capture_output=True, text=True)
+        log = proc.stdout + proc.stderr
+        if proc.returncode == 0 or "Address already in use" not in log:
+            break
+    if proc.returncode != 0:
+        raise SystemExit(f"nbgrader {' '.join(args)} failed in {course}:\n{log}")
+    return log
+
+
+def _scores(course: pathlib.Path, assignment: str) -> list[tuple[str, float, float]]:
+    from nbgrader.api import Gradebook
+
+    with Gradebook(f"sqlite:///{course / 'gradebook.db'}") as gradebook:
+        return sorted((s.student.id, s.score, s.max_score)
+                      for s in gradebook.assignment_submissions(assignment))
+
+
+def course_command(course: pathlib.Path, command: str, assignment: str | None) -> str:
+    """`make release|autograde|feedback|grades`: one nbgrader step, one line of summary."""
+    if command != "grades" and not assignment:
+        raise SystemExit(f"usage: make {command} A=<assignment>, one of: "
+                         + " ".join(p.name for p in sorted((course / "source").glob("*"))))
+    if not (course / "nbgrader_config.py").is_file():
+        raise SystemExit(f"{course} is not a course folder yet: run `make assignments` first")
+    if command == "release":
+        nbgrader(course, "generate_assignment", assignment, "--force")
+        return f"{assignment}: released to {course / 'release' / assignment}"
+    if command == "autograde":
+        submitted = sorted(p.parent.name for p in course.glob(f"submitted/*/{assignment}"))
+        if not submitted:
+            raise SystemExit(f"no submissions: put each student's folder in "
+                             f"{course}/submitted/<student-id>/{assignment}/")
+        nbgrader(course, "autograde", assignment, "--force")
+        scores = _scores(course, assignment)
+        lines = [f"{assignment}: {len(scores)} submission{'s' * (len(scores) != 1)} graded"]
+        lines += [f"  {student}: {score:g} of {full:g}" for student, score, full in scores]
+        return "\n".join(lines)
+    if command == "feedback":
+        nbgrader(course, "generate_feedback", assignment, "--force")
+        pages = sorted(course.glob(f"feedback/*/{assignment}/*.html"))
+        return f"{assignment}: {len(pages)} feedback page(s) in {course / 'feedback'}"
+    if command == "grades":
+        nbgrader(course, "export")
+        return f"grades: {course / 'grades.csv'}"
+    raise SystemExit(f"unknown command {command}")
 
 
 if __name__ == "__main__":
@@ -362,7 +512,16 @@ if __name__ == "__main__":
             for path in write_student(pathlib.Path(out)):
                 print(path)
         case ["assignments", out]:
-            for path in write_assignments(pathlib.Path(out)):
-                print(path)
+            course = pathlib.Path(out)
+            kept = [name for name in ("gradebook.db", "release", "submitted", "autograded",
+                                      "feedback", "course_config.py") if (course / name).exists()]
+            for path in write_assignments(course):
+                print(f"{path.parent.name}: {path.relative_to(course)}")
+            if kept:
+                print(f"kept as they were: {', '.join(kept)}. A released assignment changes "
+                      "only when you run `make release A=...` again.")
+        case ["release" | "autograde" | "feedback" | "grades" as command, out, *rest]:
+            print(course_command(pathlib.Path(out), command, rest[0] if rest else None))
         case _:
-            sys.exit(f"usage: {sys.argv[0]} setup-cell | student OUT | assignments OUT")
+            sys.exit(f"usage: {sys.argv[0]} setup-cell | student OUT | assignments OUT | "
+                     "release|autograde|feedback OUT ASSIGNMENT | grades OUT")
