@@ -180,14 +180,40 @@ def test_course_layout_and_metadata(course):
                 continue
             grade_ids.append(meta["grade_id"])
             if meta["grade"]:
-                assert meta["locked"] and meta["points"] > 0
-                assert cell.source.startswith("check_")
+                assert meta["points"] > 0
                 points += meta["points"]
-            if meta["solution"]:
+                if meta["solution"]:  # an answer graded by hand, its solution in the source
+                    assert meta["grade_id"].startswith("answer-") and cell.source.strip()
+                else:
+                    assert meta["locked"] and cell.source.startswith("check_")
+            elif meta["solution"]:
                 assert "### BEGIN SOLUTION" in cell.source
         assert len(grade_ids) == len(set(grade_ids)), "grade ids must be unique"
-        assert points >= 1, f"{path.name}: nothing to grade"
+        assert points >= 3, f"{path.name}: {points} points"
         assert "setup" in grade_ids and any(g.startswith("check_") for g in grade_ids)
+
+
+def test_every_exercise_has_a_graded_cell(course):
+    """An autograded test after a coding exercise, an answer graded by hand after any other."""
+    for path in NOTEBOOKS:
+        chapter = read(path)
+        numbers = [ex["number"] for ex in classroom.exercises(chapter)]
+        directives = path.with_suffix(".md").read_text().count("```{exercise}")
+        assert len(numbers) == directives, (path.name, numbers)
+        notebook = read(course / "source" / path.stem / path.name)
+        graded, current = {}, None
+        for cell in notebook.cells:
+            match = (classroom.EXERCISE.search(cell.source) if cell.cell_type == "markdown"
+                     else None)
+            if match:
+                current = match.group(1)
+            meta = cell.metadata.get("nbgrader", {})
+            if meta.get("grade") and current:
+                graded.setdefault(current, []).append(meta["grade_id"])
+        assert sorted(graded) == sorted(numbers), (path.name, graded, numbers)
+        key = (course / "answer-key" / f"{path.stem}.md").read_text()
+        for ex in classroom.exercises(chapter):
+            assert f"## Exercise {ex['number']}: {ex['title']}" in key
 
 
 def make(target: str, course: pathlib.Path, assignment: str = "") -> str:
@@ -211,12 +237,8 @@ def grade_chapter(course: pathlib.Path, name: str) -> dict:
         shutil.copytree(course / folder / name, target, dirs_exist_ok=True)
     summary = make("autograde", course, name)
     make("feedback", course, name)
-    from nbgrader.api import Gradebook
-    with Gradebook(f"sqlite:///{course / 'gradebook.db'}") as gradebook:
-        result = {}
-        for student in ("reference", "blank"):
-            submission = gradebook.find_submission(name, student)
-            result[student] = (submission.score, submission.max_score)
+    result = {student: (row["auto"], row["max_auto"], row["max_manual"])
+              for student, row in classroom.scores(course, name).items()}
     release = read(course / "release" / name / f"{name}.ipynb")
     return {"scores": result, "release": release, "summary": summary, "course": course}
 
@@ -237,13 +259,19 @@ def graded(tmp_path_factory):
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_nbgrader_grades_reference_full_and_blank_below(graded, student, path):
     scores = graded[path.stem]["scores"]
-    got, full = scores["reference"]
+    got, full, by_hand = scores["reference"]
     assert full >= 1 and got == full, f"reference solution: {got} of {full}"
-    got, full = scores["blank"]
+    got, full, _ = scores["blank"]
     assert got < full, f"blank notebook: {got} of {full}"
-    # nbgrader's release and `make student` give students the same code cells to fill in.
-    released = [c.source for c in graded[path.stem]["release"].cells
-                if c.metadata.get("nbgrader", {}).get("solution")]
+    # nbgrader's release and `make student` give students the same code cells to fill in, and
+    # every answer graded by hand is a stub in the release.
+    release = graded[path.stem]["release"]
+    answers = [c for c in release.cells if c.metadata.get("nbgrader", {}).get("solution")]
+    manual = [c for c in answers if c.metadata["nbgrader"]["grade"]]
+    assert by_hand == sum(c.metadata["nbgrader"]["points"] for c in manual)
+    for cell in manual:
+        assert cell.source in (classroom.STUB_BODY, "YOUR ANSWER HERE"), cell.source
+    released = [c.source for c in answers if not c.metadata["nbgrader"]["grade"]]
     stubs = [c.source for c in student[path.stem].cells
              if c.cell_type == "code" and "# YOUR CODE HERE" in c.source]
     assert released == stubs
@@ -381,8 +409,8 @@ def test_student_and_assignments_refuse_a_stale_notebook(tmp_path, monkeypatch):
 @pytest.mark.book
 def test_autograde_summary_and_grades_csv(graded):
     one = graded[NOTEBOOKS[0].stem]
-    got, full = one["scores"]["reference"]
-    assert f"reference: {got:g} of {full:g}" in one["summary"]
+    got, full, _ = one["scores"]["reference"]
+    assert f"reference: {got:g} of {full:g} points" in one["summary"]
     course = one["course"]
     make("grades", course)
     rows = (course / "grades.csv").read_text().splitlines()

@@ -342,6 +342,8 @@ def _meta(kind: str, grade_id: str, points: int = 0) -> dict:
             "grade": False, "solution": False, "task": False}
     if kind == "answer":
         meta["solution"] = True
+    elif kind == "manual":
+        meta.update(solution=True, grade=True, points=points)
     elif kind == "test":
         meta.update(grade=True, locked=True, points=points)
     elif kind == "locked":
@@ -349,18 +351,57 @@ def _meta(kind: str, grade_id: str, points: int = 0) -> dict:
     return {"nbgrader": meta}
 
 
+EXERCISE = re.compile(r"^#### Exercise (\d+\.\d+): (.*)$", re.M)
+SOLUTION_HEADER = re.compile(r"\*\*Solution to Exercise [\d.]+\.\*\*\n*")
+WRITTEN_POINTS = 2  # a derivation, proof or experiment graded by hand
+
+
+def exercises(notebook) -> list[dict]:
+    """Each exercise of a chapter notebook: number, title, statement cell index and the cells
+    of its solution (the cells tagged solution that follow it, up to the next exercise)."""
+    found = []
+    for index, cell in enumerate(notebook.cells):
+        match = EXERCISE.search(cell.source) if cell.cell_type == "markdown" else None
+        if match:  # the statement, after any text of the chapter in the same cell
+            found.append({"number": match.group(1), "title": match.group(2).strip(),
+                          "index": index, "statement": cell.source[match.start():],
+                          "solution": []})
+        elif found and "solution" in _tags(cell):
+            found[-1]["solution"].append(cell)
+    for exercise in found:
+        exercise["coding"] = any(
+            c.cell_type == "code" and stub_code(c.source) for c in exercise["solution"])
+        exercise["code"] = any(c.cell_type == "code" for c in exercise["solution"])
+    return found
+
+
+def written_solution(exercise: dict) -> str:
+    """The solution of an exercise as one piece of Markdown, code cells fenced."""
+    parts = []
+    for cell in exercise["solution"]:
+        if cell.cell_type == "markdown":
+            parts.append(SOLUTION_HEADER.sub("", cell.source).strip())
+        else:
+            parts.append(f"```python\n{cell.source.strip()}\n```")
+    return "\n\n".join(part for part in parts if part)
+
+
 def nbgrader_source(notebook, points: int = 1):
     """The chapter as an nbgrader source notebook.
 
     Each coding exercise becomes an autograded answer cell (the reference code inside
     ### BEGIN/END SOLUTION) and a locked test cell worth ``points`` that calls the chapter's
-    check. The setup cell and the cells that define the checks are locked: autograding puts
-    them back if a student edits them. Written solutions are left out; they are in the book.
+    check. Every other exercise gets a manually graded Markdown answer cell worth WRITTEN_POINTS
+    right after its statement, whose source is the book's solution (the release replaces it with
+    nbgrader's text stub), followed by an ungraded code cell where the solution computes. The setup
+    cell and the cells that define the checks are locked: autograding puts them back if a
+    student edits them.
     """
     import nbformat
 
+    manual = {ex["index"]: ex for ex in exercises(notebook) if not ex["coding"]}
     cells = []
-    for cell in notebook.cells:
+    for index, cell in enumerate(notebook.cells):
         tags = _tags(cell)
         if "solution" not in tags:
             new = copy.deepcopy(cell)
@@ -371,6 +412,17 @@ def nbgrader_source(notebook, points: int = 1):
                 elif cell.source.startswith("# Setup, hidden in the book"):
                     new.metadata.update(_meta("locked", "setup"))
             cells.append(new)
+            if index in manual:
+                exercise = manual[index]
+                answer = nbformat.v4.new_markdown_cell(written_solution(exercise))
+                answer.metadata.update(
+                    _meta("manual", "answer-" + exercise["number"].replace(".", "-"),
+                                     WRITTEN_POINTS))
+                cells.append(answer)
+                if exercise["code"]:  # the book's solution computes: room for the student's
+                    cells.append(nbformat.v4.new_code_cell(
+                        f"# Your code for Exercise {exercise['number']}, graded with your "
+                        "answer above"))
             continue
         stub = stub_code(cell.source) if cell.cell_type == "code" else None
         if not stub:
@@ -385,24 +437,40 @@ def nbgrader_source(notebook, points: int = 1):
                                                 metadata=copy.deepcopy(notebook.metadata)))
 
 
+def answer_key(notebook) -> str:
+    """Every exercise of a chapter with the book's solution, as Markdown for the instructor."""
+    title = notebook.cells[0].source.splitlines()[0].lstrip("# ")
+    parts = [f"# Answer key: {title}"]
+    for exercise in exercises(notebook):
+        parts += [exercise["statement"].replace("#### ", "## ", 1),
+                  "**Solution.**\n\n" + written_solution(exercise)]
+    return "\n\n".join(parts) + "\n"
+
+
 def assignment_note(notebook) -> str:
     """The note at the top of a released notebook: what is graded, for how much, and how."""
-    tests = [c.metadata["nbgrader"] for c in notebook.cells
-             if c.metadata.get("nbgrader", {}).get("grade")]
-    total = sum(t["points"] for t in tests)
-    functions = [t["grade_id"].removeprefix("test-") for t in tests]
-    listed = ", ".join(f"`{name}`" for name in functions)
+    graded = [c.metadata["nbgrader"] for c in notebook.cells
+              if c.metadata.get("nbgrader", {}).get("grade")]
+    auto = [g for g in graded if not g["solution"]]
+    manual = [g for g in graded if g["solution"]]
+    points = lambda cells: sum(g["points"] for g in cells)
+    plural = lambda n, word: f"{n} {word}{'s' * (n != 1)}"
+    functions = ", ".join(f"`{g['grade_id'].removeprefix('test-')}`" for g in auto)
     return (
-        f"**Assignment.** {len(tests)} graded cell{'s' * (len(tests) != 1)}, {total} "
-        f"point{'s' * (total != 1)}, graded automatically: {listed}. Where an exercise asks "
-        "for code you will find the function's signature and `raise NotImplementedError()`: "
-        "replace that line with your code, keep the function's name and arguments, and run the "
-        "check cell below it, which tells you what is wrong or that every case passes. Do not "
-        "edit the locked cells (the first one, which makes the book's module `attention.py` "
-        "importable, and the cells that define the checks): grading restores them. When you "
-        "are done, restart the kernel, run every cell from the top, "
-        "save, and hand in this folder the way your course says (nbgrader's Assignments tab, "
-        "or an upload).")
+        f"**Assignment: {plural(points(graded), 'point')}.** "
+        f"{plural(points(auto), 'point')} graded automatically ({functions}) and "
+        f"{plural(points(manual), 'point')} by your instructor, "
+        f"{plural(len(manual), 'written or computed answer')} worth {WRITTEN_POINTS} each. "
+        "Where an exercise asks for a function you will find its signature and "
+        "`raise NotImplementedError()`: replace that line with your code, keep the function's "
+        "name and arguments, and run the check cell below it, which tells you what is wrong or "
+        "that every case passes. Every other exercise has an answer cell right below its "
+        "statement (`YOUR ANSWER HERE`): write your derivation, proof or conclusion there, "
+        "with your code in the cell below it where the exercise computes. Do not edit the locked cells (the first one, which makes the "
+        "book's module `attention.py` importable, and the cells that define the checks): "
+        "grading restores them. When you are done, restart the kernel, run every cell from "
+        "the top, save, and hand in this folder the way your course says (nbgrader's "
+        "Assignments tab, or an upload).")
 
 
 def write_assignments(out: pathlib.Path) -> list[pathlib.Path]:
@@ -430,6 +498,9 @@ def write_assignments(out: pathlib.Path) -> list[pathlib.Path]:
         notebook.cells.insert(1, note)
         nbformat.write(_renumbered(notebook), folder / path.name)
         shutil.copy(ROOT / "code" / "attention.py", folder / "attention.py")
+        key = out / "answer-key" / f"{path.stem}.md"
+        key.parent.mkdir(exist_ok=True)
+        key.write_text(answer_key(nbformat.read(path, as_version=4)))
         written.append(folder / path.name)
     return written
 
@@ -464,12 +535,22 @@ def nbgrader(course: pathlib.Path, *args: str) -> str:
     return log
 
 
-def _scores(course: pathlib.Path, assignment: str) -> list[tuple[str, float, float]]:
+def scores(course: pathlib.Path, assignment: str) -> dict[str, dict[str, float]]:
+    """{student: {auto, max_auto, manual, max_manual}} from gradebook.db: the points of the
+    autograded test cells, and those of the answers graded by hand (0 until someone has)."""
     from nbgrader.api import Gradebook
 
+    result = {}
     with Gradebook(f"sqlite:///{course / 'gradebook.db'}") as gradebook:
-        return sorted((s.student.id, s.score, s.max_score)
-                      for s in gradebook.assignment_submissions(assignment))
+        for submission in gradebook.assignment_submissions(assignment):
+            row = dict.fromkeys(("auto", "max_auto", "manual", "max_manual"), 0.0)
+            for notebook in submission.notebooks:
+                for grade in notebook.grades:
+                    kind = "manual" if grade.name.startswith("answer-") else "auto"
+                    row[kind] += grade.score or 0.0
+                    row[f"max_{kind}"] += grade.max_score
+            result[submission.student.id] = row
+    return dict(sorted(result.items()))
 
 
 def course_command(course: pathlib.Path, command: str, assignment: str | None) -> str:
@@ -488,9 +569,13 @@ def course_command(course: pathlib.Path, command: str, assignment: str | None) -
             raise SystemExit(f"no submissions: put each student's folder in "
                              f"{course}/submitted/<student-id>/{assignment}/")
         nbgrader(course, "autograde", assignment, "--force")
-        scores = _scores(course, assignment)
-        lines = [f"{assignment}: {len(scores)} submission{'s' * (len(scores) != 1)} graded"]
-        lines += [f"  {student}: {score:g} of {full:g}" for student, score, full in scores]
+        got = scores(course, assignment)
+        lines = [f"{assignment}: {len(got)} submission{'s' * (len(got) != 1)} autograded"]
+        lines += [f"  {student}: {row['auto']:g} of {row['max_auto']:g} points"
+                  for student, row in got.items()]
+        manual = max((row["max_manual"] for row in got.values()), default=0)
+        if manual:
+            lines.append(f"  and {manual:g} points each to grade by hand (nbgrader's formgrader)")
         return "\n".join(lines)
     if command == "feedback":
         nbgrader(course, "generate_feedback", assignment, "--force")
