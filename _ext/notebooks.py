@@ -271,9 +271,10 @@ class Converter:
                 emit(f"**{PROOF_TITLES[name]} {number}{title}.** {self.text(body)}")
             elif name == "prf:proof":
                 emit(f"*Proof.* {self.text(body)} ∎")
-            elif name in ADMONITIONS:
+            elif name in ADMONITIONS or name == "admonition":  # a titled one names itself
+                title = convert_inline(arg, self.res) if name == "admonition" else ADMONITIONS[name]
                 quoted = "\n".join(f"> {line}".rstrip() for line in
-                                   f"**{ADMONITIONS[name]}.** {self.text(body)}".splitlines())
+                                   f"**{title}.** {self.text(body)}".splitlines())
                 emit(quoted)
             elif name == "dropdown":
                 emit(f"**{convert_inline(arg, self.res)}**\n\n{self.text(body)}")

@@ -294,14 +294,14 @@ def run_alone(path: pathlib.Path, folder: pathlib.Path):
     env = {**os.environ, "PYTHONPATH": str(blocker),
            "ATTENTION_PY_URL": (ROOT / "code" / "attention.py").as_uri()}
     notebook = read(folder / path.name)
-    for attempt in range(PORT_RACE_TRIES):
+    for attempt in range(classroom.PORT_RACE_TRIES):
         client = NotebookClient(notebook, timeout=300, kernel_name="python3",
                                 resources={"metadata": {"path": str(folder)}})
         try:
             client.execute(env=env)  # raises CellExecutionError, with its traceback, on failure
             break
         except RuntimeError as err:  # the port race above; a failing cell is not retried
-            if "Kernel died before replying" not in str(err) or attempt == PORT_RACE_TRIES - 1:
+            if "Kernel died before replying" not in str(err) or attempt == classroom.PORT_RACE_TRIES - 1:
                 raise
     return notebook
 

@@ -897,28 +897,28 @@ def gqa_broadcast_groups(q, k, v):
 C7 = "check_cross_attention"
 
 
-def _cross(z_dec, z_enc, w_q, w_k, w_v, enc_lengths, scale=None, dim=-1, keep=None,
+def _cross(x_dec, x_enc, w_q, w_k, w_v, enc_lengths, scale=None, dim=-1, keep=None,
            source=None):
     """Cross-attention with one thing changed, for the wrong answers."""
-    q, k, v = z_dec @ w_q, z_enc @ w_k, z_enc @ w_v
+    q, k, v = x_dec @ w_q, x_enc @ w_k, x_enc @ w_v
     scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
     scores = q @ k.transpose(-2, -1) * scale  # (B, L, S)
     if enc_lengths is not None:
-        S = z_enc.shape[1]
+        S = x_enc.shape[1]
         real = torch.arange(S) < enc_lengths[:, None] if keep is None else keep(S, enc_lengths)
         scores = scores.masked_fill(~real[:, None, :], float("-inf"))
     return softmax(scores, dim=dim) @ v
 
 
 @wrong(C7, "divided by sqrt(d_v)")
-def cross_scale_d_v(z_dec, z_enc, w_q, w_k, w_v, enc_lengths=None):
-    return _cross(z_dec, z_enc, w_q, w_k, w_v, enc_lengths,
+def cross_scale_d_v(x_dec, x_enc, w_q, w_k, w_v, enc_lengths=None):
+    return _cross(x_dec, x_enc, w_q, w_k, w_v, enc_lengths,
                   scale=1 / math.sqrt(w_v.shape[1]))
 
 
 @wrong(C7, "a causal mask in cross-attention")
-def cross_causal(z_dec, z_enc, w_q, w_k, w_v, enc_lengths=None):
-    q, k, v = z_dec @ w_q, z_enc @ w_k, z_enc @ w_v
+def cross_causal(x_dec, x_enc, w_q, w_k, w_v, enc_lengths=None):
+    q, k, v = x_dec @ w_q, x_enc @ w_k, x_enc @ w_v
     scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (B, L, S)
     L, S = scores.shape[-2:]
     keep = torch.ones(L, S, dtype=torch.bool).tril()  # top-left, as is_causal=True
@@ -928,8 +928,8 @@ def cross_causal(z_dec, z_enc, w_q, w_k, w_v, enc_lengths=None):
 
 
 @wrong(C7, "query rows are masked")
-def cross_masks_query_rows(z_dec, z_enc, w_q, w_k, w_v, enc_lengths=None):
-    q, k, v = z_dec @ w_q, z_enc @ w_k, z_enc @ w_v
+def cross_masks_query_rows(x_dec, x_enc, w_q, w_k, w_v, enc_lengths=None):
+    q, k, v = x_dec @ w_q, x_enc @ w_k, x_enc @ w_v
     scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (B, L, S)
     if enc_lengths is not None:
         L = scores.shape[-2]
@@ -939,103 +939,103 @@ def cross_masks_query_rows(z_dec, z_enc, w_q, w_k, w_v, enc_lengths=None):
 
 
 @wrong(C7, "one row per encoder position")
-def cross_swapped_sources(z_dec, z_enc, w_q, w_k, w_v, enc_lengths=None):
-    q, k, v = z_enc @ w_q, z_dec @ w_k, z_dec @ w_v
+def cross_swapped_sources(x_dec, x_enc, w_q, w_k, w_v, enc_lengths=None):
+    q, k, v = x_enc @ w_q, x_dec @ w_k, x_dec @ w_v
     return softmax(q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])) @ v
 
 
 @wrong(C7, "the scores are not divided by sqrt(d_k)")
-def cross_no_scale(z_dec, z_enc, w_q, w_k, w_v, enc_lengths=None):
-    return _cross(z_dec, z_enc, w_q, w_k, w_v, enc_lengths, scale=1.0)
+def cross_no_scale(x_dec, x_enc, w_q, w_k, w_v, enc_lengths=None):
+    return _cross(x_dec, x_enc, w_q, w_k, w_v, enc_lengths, scale=1.0)
 
 
 @wrong(C7, "the scores are divided by d_k; divide by sqrt(d_k)")
-def cross_scale_d_k(z_dec, z_enc, w_q, w_k, w_v, enc_lengths=None):
-    return _cross(z_dec, z_enc, w_q, w_k, w_v, enc_lengths, scale=1 / w_q.shape[-1])
+def cross_scale_d_k(x_dec, x_enc, w_q, w_k, w_v, enc_lengths=None):
+    return _cross(x_dec, x_enc, w_q, w_k, w_v, enc_lengths, scale=1 / w_q.shape[-1])
 
 
 @wrong(C7, "divided by sqrt(d_dec)")
-def cross_scale_d_dec(z_dec, z_enc, w_q, w_k, w_v, enc_lengths=None):
-    return _cross(z_dec, z_enc, w_q, w_k, w_v, enc_lengths, scale=z_dec.shape[-1] ** -0.5)
+def cross_scale_d_dec(x_dec, x_enc, w_q, w_k, w_v, enc_lengths=None):
+    return _cross(x_dec, x_enc, w_q, w_k, w_v, enc_lengths, scale=x_dec.shape[-1] ** -0.5)
 
 
 @wrong(C7, "softmax over the queries (dim=-2)")
-def cross_softmax_over_queries(z_dec, z_enc, w_q, w_k, w_v, enc_lengths=None):
-    return _cross(z_dec, z_enc, w_q, w_k, w_v, enc_lengths, dim=-2)
+def cross_softmax_over_queries(x_dec, x_enc, w_q, w_k, w_v, enc_lengths=None):
+    return _cross(x_dec, x_enc, w_q, w_k, w_v, enc_lengths, dim=-2)
 
 
 @wrong(C7, "the padding of the encoder is ignored")
-def cross_no_mask(z_dec, z_enc, w_q, w_k, w_v, enc_lengths=None):
-    return _cross(z_dec, z_enc, w_q, w_k, w_v, None)
+def cross_no_mask(x_dec, x_enc, w_q, w_k, w_v, enc_lengths=None):
+    return _cross(x_dec, x_enc, w_q, w_k, w_v, None)
 
 
 @wrong(C7, "the mask is inverted")
-def cross_inverted_mask(z_dec, z_enc, w_q, w_k, w_v, enc_lengths=None):
-    q, k, v = z_dec @ w_q, z_enc @ w_k, z_enc @ w_v
+def cross_inverted_mask(x_dec, x_enc, w_q, w_k, w_v, enc_lengths=None):
+    q, k, v = x_dec @ w_q, x_enc @ w_k, x_enc @ w_v
     scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
     if enc_lengths is not None:
-        real = torch.arange(z_enc.shape[1]) < enc_lengths[:, None]
+        real = torch.arange(x_enc.shape[1]) < enc_lengths[:, None]
         scores = scores.masked_fill(real[:, None, :], float("-inf"))
     return torch.softmax(scores, dim=-1) @ v  # NaN where every key is real
 
 
 @wrong(C7, "off by one in the padding")
-def cross_mask_off_by_one(z_dec, z_enc, w_q, w_k, w_v, enc_lengths=None):
-    return _cross(z_dec, z_enc, w_q, w_k, w_v, enc_lengths,
+def cross_mask_off_by_one(x_dec, x_enc, w_q, w_k, w_v, enc_lengths=None):
+    return _cross(x_dec, x_enc, w_q, w_k, w_v, enc_lengths,
                   keep=lambda S, n: torch.arange(S) <= n[:, None])
 
 
 @wrong(C7, "the padding mask is (B, 1, S), over the keys")
-def cross_mask_on_queries(z_dec, z_enc, w_q, w_k, w_v, enc_lengths=None):
-    q, k, v = z_dec @ w_q, z_enc @ w_k, z_enc @ w_v
+def cross_mask_on_queries(x_dec, x_enc, w_q, w_k, w_v, enc_lengths=None):
+    q, k, v = x_dec @ w_q, x_enc @ w_k, x_enc @ w_v
     scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
     if enc_lengths is not None:
-        real = torch.arange(z_enc.shape[1]) < enc_lengths[:, None]  # (B, S)
+        real = torch.arange(x_enc.shape[1]) < enc_lengths[:, None]  # (B, S)
         scores = scores.masked_fill(~real[:, :, None], float("-inf"))  # (B, S, 1): wrong
     return softmax(scores) @ v
 
 
 @wrong(C7, "the mask is applied to the weights after the softmax")
-def cross_mask_after_softmax(z_dec, z_enc, w_q, w_k, w_v, enc_lengths=None):
-    weights = softmax((z_dec @ w_q) @ (z_enc @ w_k).mT / math.sqrt(w_q.shape[-1]))
+def cross_mask_after_softmax(x_dec, x_enc, w_q, w_k, w_v, enc_lengths=None):
+    weights = softmax((x_dec @ w_q) @ (x_enc @ w_k).mT / math.sqrt(w_q.shape[-1]))
     if enc_lengths is not None:
-        weights = weights * (torch.arange(z_enc.shape[1]) < enc_lengths[:, None])[:, None, :]
-    return weights @ (z_enc @ w_v)
+        weights = weights * (torch.arange(x_enc.shape[1]) < enc_lengths[:, None])[:, None, :]
+    return weights @ (x_enc @ w_v)
 
 
 @wrong(C7, "NaN or inf in the output; exp of a large score overflows")
-def cross_naive_exp(z_dec, z_enc, w_q, w_k, w_v, enc_lengths=None):
-    q, k, v = z_dec @ w_q, z_enc @ w_k, z_enc @ w_v
+def cross_naive_exp(x_dec, x_enc, w_q, w_k, w_v, enc_lengths=None):
+    q, k, v = x_dec @ w_q, x_enc @ w_k, x_enc @ w_v
     exp = torch.exp(q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]))
     if enc_lengths is not None:
-        exp = exp * (torch.arange(z_enc.shape[1]) < enc_lengths[:, None])[:, None, :]
+        exp = exp * (torch.arange(x_enc.shape[1]) < enc_lengths[:, None])[:, None, :]
     return exp / exp.sum(-1, keepdim=True) @ v
 
 
 @right(C7)
-def cross_einsum_float64(z_dec, z_enc, w_q, w_k, w_v, enc_lengths=None):
-    q = torch.einsum("bld,dk->blk", z_dec.double(), w_q.double())
-    k = torch.einsum("bsd,dk->bsk", z_enc.double(), w_k.double())
-    v = torch.einsum("bsd,dv->bsv", z_enc.double(), w_v.double())
+def cross_einsum_float64(x_dec, x_enc, w_q, w_k, w_v, enc_lengths=None):
+    q = torch.einsum("bld,dk->blk", x_dec.double(), w_q.double())
+    k = torch.einsum("bsd,dk->bsk", x_enc.double(), w_k.double())
+    v = torch.einsum("bsd,dv->bsv", x_enc.double(), w_v.double())
     scores = torch.einsum("blk,bsk->bls", q / math.sqrt(k.shape[-1]), k)
     if enc_lengths is not None:
-        pad = torch.arange(z_enc.shape[1]) >= enc_lengths[:, None]
+        pad = torch.arange(x_enc.shape[1]) >= enc_lengths[:, None]
         scores = scores.masked_fill(pad[:, None, :], float("-inf"))
     return torch.softmax(scores, dim=-1).nan_to_num(0.0).matmul(v).float()
 
 
 @right(C7)
-def cross_scale_after(z_dec, z_enc, w_q, w_k, w_v, enc_lengths=None):
-    scores = (z_dec @ w_q) @ (z_enc @ w_k).mT / w_q.shape[-1] ** 0.5
+def cross_scale_after(x_dec, x_enc, w_q, w_k, w_v, enc_lengths=None):
+    scores = (x_dec @ w_q) @ (x_enc @ w_k).mT / w_q.shape[-1] ** 0.5
     if enc_lengths is not None:
-        mask = padding_mask(enc_lengths, z_enc.shape[1])[:, None, :]
+        mask = padding_mask(enc_lengths, x_enc.shape[1])[:, None, :]
         scores = scores.masked_fill(~mask, float("-inf"))
-    return softmax(scores) @ (z_enc @ w_v)
+    return softmax(scores) @ (x_enc @ w_v)
 
 
 @right(C7)
-def cross_broadcast_sums(z_dec, z_enc, w_q, w_k, w_v, enc_lengths=None):
-    q, k, v = z_dec @ w_q, z_enc @ w_k, z_enc @ w_v
+def cross_broadcast_sums(x_dec, x_enc, w_q, w_k, w_v, enc_lengths=None):
+    q, k, v = x_dec @ w_q, x_enc @ w_k, x_enc @ w_v
     scores = (q.unsqueeze(2) * k.unsqueeze(1)).sum(-1) / math.sqrt(q.shape[-1])  # (B, L, S)
     if enc_lengths is not None:
         pad = torch.arange(k.shape[1]) >= enc_lengths[:, None, None]  # (B, 1, S)
