@@ -1,4 +1,4 @@
-"""Make every executed chapter depend on code/attention.py.
+"""Make every executed chapter depend on the book's code: code/attention.py and code/checks.py.
 
 Chapters execute on every read (``execute_notebooks: force``), so a clean build can never
 show stale output. An incremental build re-reads only the pages whose source changed, and a
@@ -15,13 +15,14 @@ import pathlib
 
 from sphinx.application import Sphinx
 
-MODULE = pathlib.Path("code") / "attention.py"
+MODULES = [pathlib.Path("code") / name for name in ("attention.py", "checks.py")]
 
 
 def note_module_dependency(app: Sphinx, docname: str, source: list[str]) -> None:
     """On reading a page that has code cells, record that it depends on the module."""
     if "```{code-cell}" in source[0]:
-        app.env.note_dependency(str(pathlib.Path(app.srcdir) / MODULE))
+        for module in MODULES:
+            app.env.note_dependency(str(pathlib.Path(app.srcdir) / module))
 
 
 def setup(app: Sphinx) -> dict:

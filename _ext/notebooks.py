@@ -392,7 +392,7 @@ def made_from(md_path: Path, srcdir: Path) -> dict[str, str]:
     """{path: sha256} of the chapter source and the module its numbers come from."""
     import hashlib
     return {str(path.relative_to(srcdir)): hashlib.sha256(path.read_bytes()).hexdigest()
-            for path in (md_path, srcdir / "code" / "attention.py")}
+            for path in (md_path, srcdir / "code" / "attention.py", srcdir / "code" / "checks.py")}
 
 
 def strip_outputs(notebook):

@@ -89,8 +89,8 @@ def test_binder_pins_cpu_torch_at_the_books_versions():
         assert re.search(rf"^{name}=={re.escape(pins[name])}$", binder, re.M), name
     # Nothing else: everything the chapters import must be torch, numpy, matplotlib, IPython
     # (which Binder's Jupyter brings), the standard library, attention or myst_nb (stood in for
-    # by the setup cell).
-    allowed = {"torch", "numpy", "matplotlib", "IPython", "attention", "myst_nb"}
+    # by the setup cell), and the book's code, attention and checks.
+    allowed = {"torch", "numpy", "matplotlib", "IPython", "attention", "checks", "myst_nb"}
     stdlib = set(sys.stdlib_module_names)
     for path in MD:
         code = "\n".join(c.source for c in jupytext.read(path).cells if c.cell_type == "code")
@@ -145,7 +145,7 @@ def test_student_notebook_has_no_solution(student, path):
 def test_student_notebook_keeps_checks_and_stubs(student, path):
     notebook = student[path.stem]
     code = [c.source for c in notebook.cells if c.cell_type == "code"]
-    checks = [c for c in code if c.startswith("def check_")]
+    checks = [c for c in code if c.startswith(("def check_", "from checks import check_"))]
     assert checks, "the chapter's checks are missing"
     stubs = [c for c in code if "# YOUR CODE HERE" in c]
     assert len(stubs) >= 1
@@ -171,7 +171,8 @@ def test_course_layout_and_metadata(course):
     assert (course / "nbgrader_config.py").is_file()
     for path in NOTEBOOKS:
         folder = course / "source" / path.stem
-        assert (folder / "attention.py").read_text() == (ROOT / "code/attention.py").read_text()
+        for name in classroom.CODE_FILES:
+            assert (folder / name).read_text() == (ROOT / "code" / name).read_text()
         notebook = read(folder / path.name)
         grade_ids, points = [], 0
         for cell in notebook.cells:
@@ -228,19 +229,92 @@ def make(target: str, course: pathlib.Path, assignment: str = "") -> str:
     return proc.stdout
 
 
+def catalogue_answer(check: str, function: str, earns: str):
+    """A wrong answer of tests/test_exercises.py's catalogue for `function`, as the source of a
+    definition named `function`, self-contained (it uses only what a solution cell may), with
+    the points the in-process grading gives it; None if the catalogue has none such."""
+    import inspect
+
+    import test_exercises as catalogue
+
+    if not catalogue.is_module_check(check):
+        return None  # a check still in its chapter grades all or nothing
+    names = catalogue.REFERENCES[check].functions
+    for fn_name, fragment, replaces, fn in catalogue.WRONG.get(check, []):
+        target = replaces or names[0]
+        free = set(fn.__code__.co_names) - set(catalogue.SOLUTION_GLOBALS) - set(dir(__builtins__))
+        if target != function or catalogue.EARNS[check, fn_name] != earns or free:
+            continue
+        source = inspect.getsource(fn)
+        source = re.sub(r"^@.*\n", "", source, flags=re.M)
+        source = re.sub(rf"^def {fn_name}\(", f"def {function}(", source, flags=re.M)
+        earned, _ = catalogue.graded_points(check, {function: fn})
+        return source, earned
+    return None
+
+
+def mistaken_submission(course: pathlib.Path, name: str, earns: str) -> dict[str, float]:
+    """A copy of the reference submission whose answers are catalogue answers that earn
+    `earns` ("part": common mistakes; "nothing": forbidden calls), as student `earns`; returns
+    the points each graded cell should give, from the in-process grading."""
+    folder = course / "submitted" / earns / name
+    shutil.copytree(course / "source" / name, folder, dirs_exist_ok=True)
+    notebook = read(folder / f"{name}.ipynb")
+    expected = {}
+    cells = notebook.cells
+    for index, cell in enumerate(cells):
+        meta = cell.metadata.get("nbgrader", {})
+        if not (meta.get("solution") and not meta.get("grade")):
+            continue
+        tests = [c for c in cells[index + 1:] if c.metadata.get("nbgrader", {}).get("grade")
+                 and c.source.startswith("check_")][:1]
+        check = re.match(r"(check_\w+)", tests[0].source).group(1)
+        for function in meta["grade_id"].split("-"):
+            found = catalogue_answer(check, function, earns)
+            if found:
+                cell.source += "\n\n\n" + found[0]
+                expected[check] = found[1]
+                break
+    nbformat.write(notebook, folder / f"{name}.ipynb")
+    return expected
+
+
 def grade_chapter(course: pathlib.Path, name: str) -> dict:
-    """release, then autograde the source (as 'reference') and the blank release, and write
-    feedback, each with its make target."""
+    """release, then autograde the source (as 'reference'), the blank release and two
+    submissions made of catalogue answers ('part', 'nothing'), and write feedback, each with its
+    make target."""
     make("release", course, name)
     for student, folder in (("reference", "source"), ("blank", "release")):
         target = course / "submitted" / student / name
         shutil.copytree(course / folder / name, target, dirs_exist_ok=True)
+    expected = {earns: mistaken_submission(course, name, earns) for earns in ("part", "nothing")}
     summary = make("autograde", course, name)
     make("feedback", course, name)
     result = {student: (row["auto"], row["max_auto"], row["max_manual"])
               for student, row in classroom.scores(course, name).items()}
     release = read(course / "release" / name / f"{name}.ipynb")
-    return {"scores": result, "release": release, "summary": summary, "course": course}
+    return {"scores": result, "release": release, "summary": summary, "course": course,
+            "expected": expected, "by_check": scores_by_check(course, name)}
+
+
+def scores_by_check(course: pathlib.Path, name: str) -> dict[str, dict[str, float]]:
+    """{student: {check name: points of its test cells}} from gradebook.db."""
+    from nbgrader.api import Gradebook
+
+    notebook = read(course / "source" / name / f"{name}.ipynb")
+    check_of = {c.metadata["nbgrader"]["grade_id"]: re.match(r"(check_\w+)", c.source).group(1)
+                for c in notebook.cells if c.metadata.get("nbgrader", {}).get("grade")
+                and c.source.startswith("check_")}
+    result = {}
+    with Gradebook(f"sqlite:///{course / 'gradebook.db'}") as gradebook:
+        for submission in gradebook.assignment_submissions(name):
+            row = result.setdefault(submission.student.id, {})
+            for nb in submission.notebooks:
+                for grade in nb.grades:
+                    if grade.name in check_of:
+                        check = check_of[grade.name]
+                        row[check] = row.get(check, 0.0) + (grade.score or 0.0)
+    return result
 
 
 @pytest.fixture(scope="module")
@@ -391,7 +465,8 @@ def test_student_and_assignments_refuse_a_stale_notebook(tmp_path, monkeypatch):
     copy = tmp_path / "book"
     (copy / "code").mkdir(parents=True)
     shutil.copytree(ROOT / "chapters", copy / "chapters")
-    shutil.copy(ROOT / "code" / "attention.py", copy / "code" / "attention.py")
+    for name in classroom.CODE_FILES:
+        shutil.copy(ROOT / "code" / name, copy / "code" / name)
     monkeypatch.setattr(classroom, "ROOT", copy)
     monkeypatch.setattr(classroom, "CHAPTERS", copy / "chapters")
     assert classroom.stale_notebooks() == []
@@ -402,8 +477,29 @@ def test_student_and_assignments_refuse_a_stale_notebook(tmp_path, monkeypatch):
     for write in (classroom.write_student, classroom.write_assignments):
         with pytest.raises(SystemExit, match=r"older than their chapter.*make notebooks"):
             write(tmp_path / write.__name__)
-    (copy / "code" / "attention.py").write_text("# changed\n")
-    assert len(classroom.stale_notebooks()) == len(NOTEBOOKS)
+    for name in classroom.CODE_FILES:  # either file of the book's code makes every one stale
+        original = (copy / "code" / name).read_text()
+        (copy / "code" / name).write_text("# changed\n")
+        assert len(classroom.stale_notebooks()) == len(NOTEBOOKS), name
+        (copy / "code" / name).write_text(original)
+
+
+@pytest.mark.book
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_nbgrader_gives_part_for_a_mistake_and_nothing_for_a_forbidden_call(graded, path):
+    """nbgrader's own autograde, on submissions made of the wrong-answer catalogue: each check's
+    points are what the in-process grading gives (part for a common mistake, nothing for a
+    forbidden call), and the totals fall between the blank and the reference."""
+    run = graded[path.stem]
+    by_check, full = run["by_check"], run["scores"]["reference"][1]
+    for earns, expected in run["expected"].items():
+        for check, points in expected.items():
+            assert by_check[earns][check] == points, (earns, check, by_check[earns], points)
+    part = run["scores"]["part"][0]
+    if run["expected"]["part"]:
+        assert run["scores"]["blank"][0] < part < full, (part, full)
+    if run["expected"]["nothing"]:
+        assert run["scores"]["nothing"][0] < full
 
 
 @pytest.mark.book
@@ -414,7 +510,7 @@ def test_autograde_summary_and_grades_csv(graded):
     course = one["course"]
     make("grades", course)
     rows = (course / "grades.csv").read_text().splitlines()
-    assert rows[0].startswith("assignment,") and len(rows) == 3, rows
+    assert rows[0].startswith("assignment,") and len(rows) == 5, rows
 
 
 @pytest.mark.book

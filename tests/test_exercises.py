@@ -1,15 +1,20 @@
 """The self-checking coding exercises of the chapters.
 
-Every chapter defines one or two checks, cells `def check_xxx(fn): ...` that a student runs on
-their own function, and a gated solution whose code cell defines the reference function and
-calls the check on it. Here each check must
+Every chapter has one or two checks that a student runs on their own function, and a gated
+solution whose code cell defines the reference function and calls the check on it. A check is a
+`checks.Check` of code/checks.py, a list of cases worth points that an nbgrader assignment grades
+one by one, which a chapter imports (`from checks import check_xxx`); a check still defined in a
+chapter cell (`def check_xxx(fn): ...`) is the older, all-or-nothing kind. Here each check must
 
 * run with nothing but `torch` defined (in a student notebook it sits far from the chapter's
   other cells, and the cells that define the chapter's data may not have run);
 * accept the reference solution, and other correct ways of writing it;
 * reject the stub a student starts from (tools/classroom.py, `stub_code`) with a message
   saying the function is not written yet;
-* reject every wrong answer of the catalogue below with a message that names the mistake.
+* reject every wrong answer of the catalogue below with a message that names the mistake;
+* for a `Check`: give every wrong answer part of the points (it passes some case and fails
+  another) unless it is registered with earns="nothing", and give nothing, naming the call, to
+  an answer that calls what the exercise forbids (the `shortcut` entries).
 
 A new check in a chapter fails `test_every_check_has_a_catalogue` until its wrong answers are
 written here.
@@ -27,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 import attention
+import checks
 from attention import causal_mask, padding_mask, scaled_dot_product_attention, softmax
 from classroom import numbered_chapters, stub_code
 
@@ -96,10 +102,14 @@ def read_chapter(path) -> Chapter:
 
 
 def defined_checks(cell: CodeCell) -> list[str]:
-    """The check_* functions a visible cell defines (imports may precede them)."""
-    if cell.solution_of is not None or "def check_" not in cell.source:
+    """The check_* functions a visible cell defines, or imports from code/checks.py."""
+    if cell.solution_of is not None or "check_" not in cell.source:
         return []
     tree = ast.parse(cell.source)
+    imported = [alias.name for node in tree.body if isinstance(node, ast.ImportFrom)
+                and node.module == "checks" for alias in node.names]
+    if imported:
+        return [name for name in imported if name.startswith("check_")]
     names = [node.name for node in tree.body
              if isinstance(node, ast.FunctionDef) and node.name.startswith("check_")]
     others = [node for node in tree.body if not isinstance(
@@ -156,8 +166,14 @@ for _chapter in CHAPTERS:
 CHECK_NAMES = sorted(CHECK_CELLS)
 
 
+def is_module_check(name: str) -> bool:
+    return isinstance(getattr(checks, name, None), checks.Check)
+
+
 def load_check(name: str):
     """The check, executed the way a student notebook runs it: with only torch defined."""
+    if is_module_check(name):
+        return getattr(checks, name)
     namespace = {"torch": torch}
     exec(compile(CHECK_CELLS[name].source, f"<{name}>", "exec"), namespace)
     return namespace[name]
@@ -198,12 +214,24 @@ WRONG: dict[str, list] = {}  # check name -> [(id, fragment, {function name: fun
 RIGHT: dict[str, list] = {}  # check name -> [(id, {function name: function})]
 
 
-def wrong(check: str, fragment: str, replaces: str | None = None):
-    """Register a wrong answer: `check` must reject it saying `fragment`."""
+EARNS: dict[tuple[str, str], str] = {}  # (check, wrong answer) -> "part" or "nothing"
+
+
+def wrong(check: str, fragment: str, replaces: str | None = None, earns: str = "part"):
+    """Register a wrong answer: `check` must reject it saying `fragment`. A `Check` must give it
+    part of its points, or none with earns="nothing"."""
+    assert earns in {"part", "nothing"}
     def register(fn):
         WRONG.setdefault(check, []).append((fn.__name__, fragment, replaces, fn))
+        EARNS[check, fn.__name__] = earns
         return fn
     return register
+
+
+def shortcut(check: str, call: str, replaces: str | None = None):
+    """Register a correct answer that makes a call the exercise forbids: it earns nothing, and
+    the message names the call."""
+    return wrong(check, f"it calls {call}", replaces, earns="nothing")
 
 
 def right(check: str, replaces: str | None = None):
@@ -252,7 +280,7 @@ def ssa_scaled(x):
     return weights @ x, weights
 
 
-@wrong(C1, "return (output, weights)")
+@wrong(C1, "return (output, weights)", earns="nothing")
 def ssa_swapped_return(x):
     weights = _exp_rows(x @ x.transpose(-2, -1))
     return weights, weights @ x
@@ -286,12 +314,34 @@ def ssa_transposed_weights_in_output(x):
     return weights.transpose(-2, -1) @ x, weights
 
 
-@wrong(C1, "return a tuple (output, weights)")
+@wrong(C1, "return a tuple (output, weights)", earns="nothing")
 def ssa_output_only(x):
     return _exp_rows(x @ x.transpose(-2, -1)) @ x
 
 
-@right(C1)
+@wrong(C1, "batch (2, 4, 3): the columns of weights sum to 1, not the rows")
+def ssa_softmax_dim_1(x):
+    weights = _exp_rows(x @ x.transpose(-2, -1), dim=1)  # the keys' axis only without a batch
+    return weights @ x, weights
+
+
+@shortcut(C1, "attention.scaled_dot_product_attention")
+def ssa_module(x):
+    return attention.scaled_dot_product_attention(x, x, x, scale=1.0)
+
+
+@shortcut(C1, "attention.scaled_dot_product_attention")
+def ssa_module_imported(x):
+    return scaled_dot_product_attention(x, x, x, scale=1.0)  # imported from attention
+
+
+@shortcut(C1, "torch.nn.functional.scaled_dot_product_attention")
+def ssa_torch_sdpa(x):
+    weights = _exp_rows(x @ x.transpose(-2, -1))
+    return F.scaled_dot_product_attention(x, x, x, scale=1.0), weights
+
+
+@shortcut(C1, "torch.softmax")
 def ssa_torch_softmax(x):
     weights = torch.softmax(torch.einsum("...id,...jd->...ij", x, x), dim=-1)
     return weights @ x, weights
@@ -300,7 +350,9 @@ def ssa_torch_softmax(x):
 @right(C1)
 def ssa_float64(x):
     x64 = x.double()
-    weights = torch.softmax(x64 @ x64.mT, dim=-1)
+    scores = x64 @ x64.mT
+    exp = torch.exp(scores - scores.amax(dim=-1, keepdim=True))
+    weights = exp / exp.sum(dim=-1, keepdim=True)
     return (weights @ x64).float(), weights.float()
 
 
@@ -374,9 +426,63 @@ def sa_k_dot_T(x, w_q, w_k, w_v):
     return weights @ v, weights
 
 
-@wrong(C2, "you returned (weights, output)")
+@wrong(C2, "you returned (weights, output)", earns="nothing")
 def sa_swapped_return(x, w_q, w_k, w_v):
     return _sa(x, w_q, w_k, w_v)[::-1]
+
+
+@wrong(C2, "transpose the keys with k.transpose(-2, -1)")
+def sa_transpose_0_1(x, w_q, w_k, w_v):
+    q, k, v = x @ w_q, x @ w_k, x @ w_v
+    weights = softmax(q @ k.transpose(0, 1) / math.sqrt(k.shape[-1]))  # a batch's axes 0, 1
+    return weights @ v, weights
+
+
+def _sa_scores(x, w_q, w_k):
+    q, k = x @ w_q, x @ w_k
+    return q, k, softmax(q @ k.transpose(-2, -1) / math.sqrt(k.shape[-1]))
+
+
+@shortcut(C2, "attention.scaled_dot_product_attention")
+def sa_module_attention(x, w_q, w_k, w_v):
+    return scaled_dot_product_attention(x @ w_q, x @ w_k, x @ w_v)
+
+
+@shortcut(C2, "torch.nn.functional.scaled_dot_product_attention")
+def sa_torch_attention(x, w_q, w_k, w_v):
+    q, k, weights = _sa_scores(x, w_q, w_k)
+    return F.scaled_dot_product_attention(q, k, x @ w_v), weights
+
+
+def _sa_one_head(x, w_q, w_k, w_v, mha, projections):
+    """Self-attention through a one-head attention module `mha` of width E, its projection
+    weights set to the identity: q, k, v padded with zeros to width E, the queries rescaled
+    for the module's 1/sqrt(E)."""
+    q, k, v = x @ w_q, x @ w_k, x @ w_v
+    d_k, d_v, T = k.shape[-1], v.shape[-1], x.shape[-2]
+    E = max(d_k, d_v)
+    pad = lambda t: F.pad(t, (0, E - t.shape[-1])).reshape(-1, T, E)
+    with torch.no_grad():
+        for weight in projections(mha):
+            weight.copy_(torch.eye(E).repeat(weight.shape[0] // E, 1))
+        out, weights = mha(pad(q * math.sqrt(E / d_k)), pad(k), pad(v))
+    return (out[..., :d_v].reshape(*x.shape[:-1], d_v),
+            weights.reshape(*x.shape[:-1], T))
+
+
+@shortcut(C2, "attention.MultiHeadAttention")
+def sa_module_mha(x, w_q, w_k, w_v):
+    mha = attention.MultiHeadAttention(max(w_k.shape[-1], w_v.shape[-1]), 1, bias=False)
+    return _sa_one_head(x, w_q, w_k, w_v, mha, lambda m: [
+        p.weight for p in (m.q_proj, m.k_proj, m.v_proj, m.out_proj)])
+
+
+@shortcut(C2, "torch.nn.MultiheadAttention")
+def sa_torch_mha(x, w_q, w_k, w_v):
+    E = max(w_k.shape[-1], w_v.shape[-1])
+    mha = torch.nn.MultiheadAttention(E, 1, bias=False, batch_first=True)
+    return _sa_one_head(x, w_q, w_k, w_v, mha, lambda m: [
+        m.in_proj_weight, m.out_proj.weight])  # in_proj_weight: (3E, E), W_Q, W_K, W_V
 
 
 @right(C2)
@@ -419,9 +525,15 @@ def add_swapped_weights(query, key, w_1, w_2, w_out):
     return torch.tanh((query @ w_2)[:, None, :] + (key @ w_1)[None, :, :]) @ w_out
 
 
-@wrong(C2b, "expected shape (L, S) = (3, 3), got (3,)")
+@wrong(C2b, "expected shape (L, S) = (3, 3), got (3,)", earns="nothing")
 def add_no_broadcast(query, key, w_1, w_2, w_out):
     return torch.tanh(query @ w_1 + key @ w_2) @ w_out  # pairs query i with key i only
+
+
+@wrong(C2b, "expected shape (L, S) = (3, 3), got (3, 3, 1)")
+def add_w_out_as_column(query, key, w_1, w_2, w_out):
+    hidden = (query @ w_1)[:, None, :] + (key @ w_2)[None, :, :]
+    return torch.tanh(hidden) @ w_out[:, None]  # (L, S, 1): the right numbers, one axis too many
 
 
 @right(C2b)
@@ -439,6 +551,11 @@ def _draws(d_k, n, sigma, generator):
     q = sigma * torch.randn(n, d_k, generator=generator)
     k = sigma * torch.randn(n, d_k, generator=generator)
     return (q * k).sum(-1)
+
+
+def _draws_variances(d_k, n, sigma, generator):
+    s = _draws(d_k, n, sigma, generator)
+    return float(s.var()), float((s / math.sqrt(d_k)).var())
 
 
 @wrong(C3, "you divided by d_k, not sqrt(d_k)")
@@ -496,8 +613,34 @@ def var_global_generator(d_k, n, sigma, generator):
     return float(s.var()), float((s / math.sqrt(d_k)).var())
 
 
+@wrong(C3, "draw q and k with the generator you are given, not one of your own")
+def var_own_generator(d_k, n, sigma, generator):
+    return _draws_variances(d_k, n, sigma, torch.Generator().manual_seed(0))
+
+
+@wrong(C3, "you returned the lemma's values d_k * sigma^4 and sigma^4 for every seed, not a "
+           "measurement", earns="nothing")
+def var_lemma_values(d_k, n, sigma, generator):
+    return d_k * sigma**4, sigma**4  # what the exercise asks to measure
+
+
+@shortcut(C3, "torch.manual_seed")
+def var_reseeds_global(d_k, n, sigma, generator):
+    torch.manual_seed(generator.initial_seed())  # reproducible, but not drawn with generator
+    q = sigma * torch.randn(n, d_k)
+    k = sigma * torch.randn(n, d_k)
+    s = (q * k).sum(-1)
+    return float(s.var()), float((s / math.sqrt(d_k)).var())
+
+
+@shortcut(C3, "torch.random.manual_seed")
+def var_reseeds_global_random(d_k, n, sigma, generator):
+    torch.random.manual_seed(generator.initial_seed())
+    return _draws_variances(d_k, n, sigma, None)
+
+
 @wrong(C3, "expected two numbers, got a tensor of shape (20000,) and a tensor of shape "
-           "(20000,)")
+           "(20000,)", earns="nothing")
 def var_returns_scores(d_k, n, sigma, generator):
     s = _draws(d_k, n, sigma, generator)
     return s, s / math.sqrt(d_k)
@@ -564,9 +707,24 @@ def sm_finite_stand_in(scores, dim=-1):
     return _exp_rows(scores.clamp_min(torch.finfo(scores.dtype).min), dim)
 
 
-@wrong(C4, "expected shape (3, 5), got (15,)")
+@wrong(C4, "expected shape (3, 5), got (15,)", earns="nothing")
 def sm_flattened(scores, dim=-1):
     return _exp_rows(scores.reshape(-1), dim=-1)
+
+
+@shortcut(C4, "attention.softmax")
+def sm_module_softmax(scores, dim=-1):
+    return softmax(scores, dim=dim)
+
+
+@shortcut(C4, "torch.Tensor.softmax")
+def sm_tensor_softmax(scores, dim=-1):
+    return scores.softmax(dim).nan_to_num(0.0)
+
+
+@shortcut(C4, "torch.nn.functional.log_softmax")
+def sm_exp_log_softmax(scores, dim=-1):
+    return F.log_softmax(scores, dim=dim).exp().nan_to_num(0.0)
 
 
 @right(C4)
@@ -679,9 +837,38 @@ def mask_additive(lengths, L):
     return torch.zeros(len(lengths), L, L).masked_fill(~_mask(lengths, L), float("-inf"))
 
 
-@wrong(C5, "expected shape (B, L, L) = (3, 4, 4), got (4, 4)")
+@wrong(C5, "expected shape (B, L, L) = (3, 4, 4), got (4, 4)", earns="nothing")
 def mask_one_sequence(lengths, L):
     return _mask(lengths, L)[0]
+
+
+@wrong(C5, "not lengths.max() by lengths.max()")
+def mask_longest_as_size(lengths, L):
+    return _mask(lengths, int(lengths.max()))  # L may exceed the longest sequence
+
+
+@wrong(C5, "by broadcasting", earns="nothing")
+def mask_lengths_not_broadcast(lengths, L):
+    i, j = torch.arange(L)[:, None], torch.arange(L)[None, :]
+    return (j <= i)[None] & (torch.arange(L) < lengths)  # (L,) against (B,)
+
+
+@wrong(C5, "entry [b=")
+def mask_padded_queries_see_themselves(lengths, L):
+    i, j = torch.arange(L)[:, None], torch.arange(L)[None, :]
+    return _mask(lengths, L) | ((i == j)[None] & (i[None] >= lengths[:, None, None]))
+
+
+@shortcut(C5, "attention.causal_mask")
+def mask_module_causal(lengths, L):
+    real = torch.arange(L)[None, None, :] < lengths[:, None, None]
+    return causal_mask(L)[None] & real
+
+
+@shortcut(C5, "attention.padding_mask")
+def mask_module_padding(lengths, L):
+    causal = torch.ones(L, L, dtype=torch.bool).tril()
+    return causal[None] & attention.padding_mask(lengths, L)[:, None, :]
 
 
 @right(C5)
@@ -695,42 +882,49 @@ def mask_tril(lengths, L):
 C5b = "check_masked_softmax"
 
 
+@wrong(C5b, "the gradient is NaN")
+def ms_nan_to_num_after(scores, mask):
+    # an additive -inf mask: unlike masked_fill, its backward passes the NaN of 0/0 on
+    filled = scores + torch.zeros_like(scores).masked_fill(~mask, float("-inf"))
+    return _exp_rows(filled).nan_to_num(0.0)
+
+
 @wrong(C5b, "inverted mask")
 def ms_inverted(scores, mask):
-    weights = torch.softmax(scores.masked_fill(mask, float("-inf")), dim=-1)
+    weights = _exp_rows(scores.masked_fill(mask, float("-inf")), dim=-1)
     return weights.nan_to_num(0.0)
 
 
 @wrong(C5b, "NaN in 1 fully masked row(s)")
 def ms_nan_rows(scores, mask):
-    return torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    return _exp_rows(scores.masked_fill(~mask, float("-inf")), dim=-1)
 
 
 @wrong(C5b, "uniform weights 1/S")
 def ms_finfo_min(scores, mask):
-    return torch.softmax(scores.masked_fill(~mask, torch.finfo(scores.dtype).min), dim=-1)
+    return _exp_rows(scores.masked_fill(~mask, torch.finfo(scores.dtype).min), dim=-1)
 
 
 @wrong(C5b, "a fully masked row must give zeros, got weights up to")
 def ms_add_minus_1e4(scores, mask):
-    return torch.softmax(scores + (~mask) * -1e4, dim=-1)  # an additive finite mask
+    return _exp_rows(scores + (~mask) * -1e4, dim=-1)  # an additive finite mask
 
 
 @wrong(C5b, "a fill such as -1e9 does not fit in float16; fill with -inf")
 def ms_fill_minus_1e9(scores, mask):
-    weights = torch.softmax(scores.masked_fill(~mask, -1e9), dim=-1)
+    weights = _exp_rows(scores.masked_fill(~mask, -1e9), dim=-1)
     return torch.where(mask.any(-1, keepdim=True), weights, 0.0)
 
 
 @wrong(C5b, "modified the scores in place")
 def ms_in_place(scores, mask):
-    weights = torch.softmax(scores.masked_fill_(~mask, float("-inf")), dim=-1)
+    weights = _exp_rows(scores.masked_fill_(~mask, float("-inf")), dim=-1)
     return torch.where(mask.any(-1, keepdim=True), weights, 0.0)
 
 
 @wrong(C5b, "the columns sum to 1, not the rows: take the softmax over the keys, dim=-1")
 def ms_over_queries(scores, mask):
-    weights = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-2)
+    weights = _exp_rows(scores.masked_fill(~mask, float("-inf")), dim=-2)
     return torch.where(mask.any(-1, keepdim=True), weights, 0.0)
 
 
@@ -743,28 +937,28 @@ def ms_naive_exp(scores, mask):
 
 @wrong(C5b, "mask the scores before the softmax, not the weights after it")
 def ms_mask_after_softmax(scores, mask):
-    return torch.softmax(scores, dim=-1) * mask
+    return _exp_rows(scores, dim=-1) * mask
 
 
 @wrong(C5b, "masked positions get weight up to")
 def ms_mask_ignored(scores, mask):
-    return torch.softmax(scores, dim=-1)
+    return _exp_rows(scores, dim=-1)
 
 
 @wrong(C5b, "expected dtype torch.float16, got torch.float32")
 def ms_returns_float32(scores, mask):
-    weights = torch.softmax(scores.float().masked_fill(~mask, float("-inf")), dim=-1)
+    weights = _exp_rows(scores.float().masked_fill(~mask, float("-inf")), dim=-1)
     return torch.where(mask.any(-1, keepdim=True), weights, 0.0)
 
 
 @wrong(C5b, "expected shape (2, 3, 5), got (")
 def ms_boolean_indexing(scores, mask):
-    return torch.softmax(scores[mask], dim=-1)  # the visible scores, flattened
+    return _exp_rows(scores[mask], dim=-1)  # the visible scores, flattened
 
 
-@wrong(C5b, "keepdim=True")
+@wrong(C5b, "keepdim=True", earns="nothing")
 def ms_any_without_keepdim(scores, mask):
-    weights = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    weights = _exp_rows(scores.masked_fill(~mask, float("-inf")), dim=-1)
     return torch.where(mask.any(-1), weights, 0.0)  # (B, L) against (B, L, S)
 
 
@@ -779,8 +973,58 @@ def ms_manual_stable(scores, mask):
 
 @right(C5b)
 def ms_float32_inside(scores, mask):
-    weights = torch.softmax(scores.float().masked_fill(~mask, float("-inf")), dim=-1)
+    weights = _exp_rows(scores.float().masked_fill(~mask, float("-inf")), dim=-1)
     return weights.nan_to_num(0.0).to(scores.dtype)
+
+
+@right(C5b)
+def ms_where_fill(scores, mask):
+    filled = torch.where(mask, scores, float("-inf"))
+    top = filled.amax(-1, keepdim=True).clamp_min(-1e4)  # finite on fully masked rows
+    exp = torch.exp(filled - top)
+    return exp / exp.sum(-1, keepdim=True).clamp_min(torch.finfo(scores.dtype).tiny)
+
+
+@wrong(C5b, "is 0 in float16")
+def ms_eps_in_denominator(scores, mask):
+    filled = scores.masked_fill(~mask, float("-inf"))
+    top = filled.amax(-1, keepdim=True)
+    exp = torch.exp(filled - torch.where(top.isfinite(), top, torch.zeros_like(top)))
+    return exp / (exp.sum(-1, keepdim=True) + 1e-30)
+
+
+@wrong(C5b, "does the mask broadcast")
+def ms_boolean_assignment(scores, mask):
+    filled = scores.clone()
+    filled[~mask] = float("-inf")  # fails unless mask has the shape of scores
+    return torch.where(mask.any(-1, keepdim=True), _exp_rows(filled), 0.0)
+
+
+@shortcut(C5b, "attention.softmax")
+def ms_module_softmax(scores, mask):
+    return softmax(scores.masked_fill(~mask, float("-inf")))
+
+
+@shortcut(C5b, "torch.softmax")
+def ms_torch_softmax(scores, mask):
+    weights = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    return torch.where(mask.any(dim=-1, keepdim=True), weights, 0.0)
+
+
+@shortcut(C5b, "torch.nn.functional.softmax")
+def ms_functional_softmax(scores, mask):
+    return F.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1).nan_to_num(0.0)
+
+
+@shortcut(C5b, "torch.Tensor.softmax")
+def ms_tensor_softmax(scores, mask):
+    return scores.masked_fill(~mask, float("-inf")).softmax(-1).nan_to_num(0.0)
+
+
+@shortcut(C5b, "torch.Tensor.log_softmax")
+def ms_exp_log_softmax(scores, mask):
+    filled = scores.masked_fill(~mask, float("-inf"))
+    return filled.log_softmax(-1).exp().nan_to_num(0.0)
 
 
 # --- chapter 6: check_split_merge(split_heads, merge_heads) ---------------------------------
@@ -843,6 +1087,28 @@ def merge_forgets_reshape(x):
     return x.transpose(1, 2)
 
 
+@wrong(C6, "merge_heads(split(x)) must give x back", replaces="merge_heads")
+def merge_interleaved(x):
+    B, H, L, hd = x.shape
+    return x.permute(0, 2, 3, 1).reshape(B, L, H * hd)  # features of the heads interleaved
+
+
+@wrong(C6, "split_heads must return a tensor, got tuple", replaces="split_heads")
+def split_chunks(x, num_heads):
+    return x.chunk(num_heads, dim=-1)  # H tensors (B, L, hd), not one (B, H, L, hd)
+
+
+@shortcut(C6, "attention.MultiHeadAttention.split_heads", replaces="split_heads")
+def split_module_method(x, num_heads):
+    return attention.MultiHeadAttention(x.shape[-1], num_heads).split_heads(x)
+
+
+@shortcut(C6, "attention.MultiHeadAttention.merge_heads", replaces="merge_heads")
+def merge_module_method(x):
+    B, H, L, hd = x.shape
+    return attention.MultiHeadAttention(H * hd, H).merge_heads(x)
+
+
 @right(C6, replaces="split_heads")
 def split_unflatten(x, num_heads):
     if x.shape[-1] % num_heads:
@@ -876,7 +1142,21 @@ def gqa_no_grouping(q, k, v):
     return scaled_dot_product_attention(q, k, v)[0]
 
 
-@wrong(CG, "expected a tensor, got tuple")
+@wrong(CG, "query head 1 used key-value head 1, not 1 // (H // G) = 0")
+def gqa_broadcast_wrong_grouping(q, k, v):
+    B, H, L, hd = q.shape
+    G = k.shape[1]
+    grouped = q.reshape(B, H // G, G, L, hd)  # pairs query head h with h % G
+    out, _ = scaled_dot_product_attention(grouped, k[:, None], v[:, None])
+    return out.reshape(B, H, L, hd)
+
+
+@shortcut(CG, "torch.nn.functional.scaled_dot_product_attention")
+def gqa_torch_enable_gqa(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+
+@wrong(CG, "expected a tensor, got tuple", earns="nothing")
 def gqa_returns_both(q, k, v):
     H, G = q.shape[1], k.shape[1]
     return scaled_dot_product_attention(q, k.repeat_interleave(H // G, dim=1),
@@ -938,7 +1218,7 @@ def cross_masks_query_rows(x_dec, x_enc, w_q, w_k, w_v, enc_lengths=None):
     return softmax(scores, dim=-1) @ v
 
 
-@wrong(C7, "one row per encoder position")
+@wrong(C7, "one row per encoder position", earns="nothing")
 def cross_swapped_sources(x_dec, x_enc, w_q, w_k, w_v, enc_lengths=None):
     q, k, v = x_enc @ w_q, x_dec @ w_k, x_dec @ w_v
     return softmax(q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])) @ v
@@ -1010,6 +1290,67 @@ def cross_naive_exp(x_dec, x_enc, w_q, w_k, w_v, enc_lengths=None):
     if enc_lengths is not None:
         exp = exp * (torch.arange(x_enc.shape[1]) < enc_lengths[:, None])[:, None, :]
     return exp / exp.sum(-1, keepdim=True) @ v
+
+
+@shortcut(C7, "attention.scaled_dot_product_attention")
+def cross_module_attention(x_dec, x_enc, w_q, w_k, w_v, enc_lengths=None):
+    mask = None
+    if enc_lengths is not None:
+        mask = padding_mask(enc_lengths, x_enc.shape[1])[:, None, :]  # (B, 1, S)
+    return scaled_dot_product_attention(x_dec @ w_q, x_enc @ w_k, x_enc @ w_v,
+                                        attn_mask=mask)[0]
+
+
+@shortcut(C7, "torch.nn.functional.scaled_dot_product_attention")
+def cross_torch_attention(x_dec, x_enc, w_q, w_k, w_v, enc_lengths=None):
+    mask = None
+    if enc_lengths is not None:
+        mask = padding_mask(enc_lengths, x_enc.shape[1])[:, None, :]  # (B, 1, S)
+    return F.scaled_dot_product_attention(x_dec @ w_q, x_enc @ w_k, x_enc @ w_v,
+                                          attn_mask=mask)
+
+
+def _one_wide_head(x_dec, x_enc, w_q, w_k, w_v):
+    """A one-head attention module's width m and weights that compute cross-attention: x_dec
+    padded with zero features to width m, every projection written into the top-left corner
+    of an m-wide one, the queries multiplied by sqrt(m / d_k) to undo the module's scale."""
+    d_dec, (d_enc, d_k), d_v = x_dec.shape[-1], w_k.shape, w_v.shape[-1]
+    m = d_dec + d_k + d_v + d_enc  # not d_enc: PyTorch's module then keeps separate weights
+    q_w, k_w, v_w = torch.zeros(m, m), torch.zeros(m, d_enc), torch.zeros(m, d_enc)
+    q_w[:d_k, :d_dec] = w_q.T * math.sqrt(m / d_k)
+    k_w[:d_k] = w_k.T
+    v_w[:d_v] = w_v.T
+    return m, F.pad(x_dec, (0, m - d_dec)), (q_w, k_w, v_w, torch.eye(m))
+
+
+@shortcut(C7, "attention.MultiHeadAttention")
+def cross_module_mha(x_dec, x_enc, w_q, w_k, w_v, enc_lengths=None):
+    m, query, weights = _one_wide_head(x_dec, x_enc, w_q, w_k, w_v)
+    mha = attention.MultiHeadAttention(m, 1, bias=False, kdim=x_enc.shape[-1],
+                                       vdim=x_enc.shape[-1])
+    mask = None
+    if enc_lengths is not None:
+        mask = padding_mask(enc_lengths, x_enc.shape[1])[:, None, None, :]  # (B, 1, 1, S)
+    with torch.no_grad():
+        for linear, w in zip((mha.q_proj, mha.k_proj, mha.v_proj, mha.out_proj), weights):
+            linear.weight.copy_(w)
+        return mha(query, x_enc, x_enc, attn_mask=mask)[0][..., :w_v.shape[-1]]
+
+
+@shortcut(C7, "torch.nn.MultiheadAttention")
+def cross_torch_mha(x_dec, x_enc, w_q, w_k, w_v, enc_lengths=None):
+    m, query, (q_w, k_w, v_w, out_w) = _one_wide_head(x_dec, x_enc, w_q, w_k, w_v)
+    mha = torch.nn.MultiheadAttention(m, 1, bias=False, batch_first=True,
+                                      kdim=x_enc.shape[-1], vdim=x_enc.shape[-1])
+    pad = None
+    if enc_lengths is not None:
+        pad = torch.arange(x_enc.shape[1]) >= enc_lengths[:, None]  # True = padding
+    with torch.no_grad():
+        mha.q_proj_weight.copy_(q_w)
+        mha.k_proj_weight.copy_(k_w)
+        mha.v_proj_weight.copy_(v_w)
+        mha.out_proj.weight.copy_(out_w)
+        return mha(query, x_enc, x_enc, key_padding_mask=pad)[0][..., :w_v.shape[-1]]
 
 
 @right(C7)
@@ -1091,7 +1432,71 @@ def test_check_names_the_mistake(check, fragment, replaces, fn, capsys):
     message = str(info.value)
     assert fragment in message, f"expected {fragment!r} in the message, got:\n{message}"
     assert "not written yet" not in message
-    assert not capsys.readouterr().out, "the check printed success before failing"
+    out = capsys.readouterr().out
+    if is_module_check(check):
+        assert "cases pass" not in out and "FAIL" in out, out
+    else:
+        assert not out, "the check printed success before failing"
+
+
+def graded_points(check: str, replace: dict) -> tuple[int, dict[str, str | None]]:
+    """The points an nbgrader assignment gives: each case graded alone, as a test cell does."""
+    functions = reference_functions(check)
+    functions.update(replace)
+    graded, earned, messages = load_check(check), 0, {}
+    for title, (_, points) in graded.cases.items():
+        try:
+            graded.grade(title, *functions.values())
+            earned += points
+            messages[title] = None
+        except AssertionError as err:
+            messages[title] = str(err)
+    return earned, messages
+
+
+MODULE_WRONG = [case for case in WRONG_CASES if is_module_check(case.values[0])]
+
+
+@pytest.mark.parametrize("check, fragment, replaces, fn", MODULE_WRONG)
+def test_wrong_answer_earns_part_of_the_points(check, fragment, replaces, fn, capsys):
+    """Partial credit: a common mistake earns more than a blank and less than the answer; a
+    forbidden call or a broken answer earns nothing, and the grade's message says why."""
+    earned, messages = graded_points(check, _replacements(check, replaces, fn))
+    full = load_check(check).points
+    failed = [m for m in messages.values() if m is not None]
+    if EARNS[check, fn.__name__] == "nothing":
+        assert earned == 0, f"{fn.__name__} earns {earned} of {full}: {messages}"
+    else:
+        assert 0 < earned < full, f"{fn.__name__} earns {earned} of {full}: {messages}"
+    assert any(fragment in m for m in failed), (fragment, failed)
+
+
+@pytest.mark.parametrize("check", [c for c in CHECK_NAMES if is_module_check(c)])
+def test_module_check_grades_the_reference_fully(check, capsys):
+    earned, messages = graded_points(check, {})
+    assert earned == load_check(check).points >= 3, messages
+    stub = stub_functions(check)
+    earned, messages = graded_points(check, stub)
+    assert earned == 0 and all("not written yet" in m for m in messages.values()), messages
+
+
+# Exercises with no call to rule out: no function of the module or of PyTorch computes an
+# additive score, and the loop that exercise rules out cannot be trapped by name.
+NOTHING_TO_FORBID = {"check_additive_scores"}
+
+
+@pytest.mark.parametrize("check", [c for c in CHECK_NAMES if is_module_check(c)])
+def test_module_check_forbids_something_and_has_a_shortcut(check):
+    """Every exercise rules something out (at least the module's or PyTorch's version of what
+    it asks for), and the catalogue holds an answer that calls it."""
+    graded = load_check(check)
+    if check in NOTHING_TO_FORBID:
+        assert not graded.forbidden
+        return
+    assert graded.forbidden, f"{check}: no forbidden calls"
+    shortcuts = [name for _, fragment, _, fn in WRONG[check]
+                 for name in [fn.__name__] if fragment.startswith("it calls ")]
+    assert shortcuts, f"{check}: no shortcut answer in the catalogue"
 
 
 @pytest.mark.parametrize("check, replaces, fn", RIGHT_CASES)
@@ -1146,7 +1551,7 @@ def test_the_stub_shows_a_docstring_with_the_shapes(check):
 
 @pytest.mark.parametrize("check", CHECK_NAMES)
 def test_line_lengths(check):
-    for line in CHECK_CELLS[check].source.splitlines():
+    for line in CHECK_CELLS[check].source.splitlines():  # a module check's cell is one import
         assert len(line) <= 100, f"{check} cell: {len(line)} columns: {line}"
     for line in REFERENCES[check].cell.source.splitlines():
         assert len(line) <= 79, f"solution of {check}: {len(line)} columns: {line}"

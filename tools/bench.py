@@ -10,7 +10,9 @@ Measures, on this machine, in one run:
 - the forward time of code/attention.py against PyTorch's math path of
   `scaled_dot_product_attention` and against `torch.nn.MultiheadAttention`, as ratios;
 - `make test` itself: the fast tests and the book tests, per test file, and per chapter
-  against the budget of 40 s of suite per chapter (--skip-suite leaves this out).
+  against the budget of 40 s of suite per chapter (--skip-suite leaves this out);
+- nbgrader's autograde of one student's submission, per chapter, against 3x the floor
+  (--skip-autograde leaves this out).
 The table is printed and written to _build/bench.md.
 """
 
@@ -92,6 +94,34 @@ def floor_seconds(repeats: int = 3) -> float:
     return statistics.median(times)
 
 
+AUTOGRADE_BUDGET_FLOORS = 3.0  # autograding one submission: at most 3 kernel starts' worth
+
+
+AUTOGRADE_STUDENTS = 4  # submissions graded by one `nbgrader autograde`, as a class would be
+
+
+def autograde_seconds() -> dict[str, float]:
+    """Seconds per student that nbgrader's autograde takes on each chapter: AUTOGRADE_STUDENTS
+    copies of the reference solution graded by one command (a class is graded that way, so
+    nbgrader's own start is shared), in a throwaway course made as `make assignments` makes it."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import classroom
+
+    times = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        course = pathlib.Path(tmp)
+        for path in classroom.write_assignments(course):
+            name = path.parent.name
+            classroom.nbgrader(course, "generate_assignment", name, "--force")
+            for student in range(AUTOGRADE_STUDENTS):
+                shutil.copytree(course / "source" / name,
+                                course / "submitted" / f"student{student}" / name)
+            start = time.perf_counter()
+            classroom.nbgrader(course, "autograde", name, "--force")
+            times[name] = (time.perf_counter() - start) / AUTOGRADE_STUDENTS
+    return times
+
+
 def site_size(html: pathlib.Path) -> tuple[float, str, float]:
     files = [p for p in html.rglob("*") if p.is_file()]
     total = sum(p.stat().st_size for p in files) / 2**20
@@ -155,6 +185,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--skip-build", action="store_true", help="no build timings")
     parser.add_argument("--skip-suite", action="store_true", help="no `make test` timings")
+    parser.add_argument("--skip-autograde", action="store_true", help="no nbgrader timings")
     args = parser.parse_args()
 
     lines = [f"Machine: {os.cpu_count()} cores, {platform.processor() or platform.machine()}, "
@@ -199,6 +230,20 @@ def main() -> None:
               if sec >= 1.0],
             f"| per chapter ({n} chapters) | {per_chapter:.1f} |",
             f"| budget: {SUITE_BUDGET_PER_CHAPTER:.0f} s per chapter | {verdict} |",
+            "",
+        ]
+    if not args.skip_autograde:
+        floor = floor_seconds()
+        times = autograde_seconds()
+        limit = AUTOGRADE_BUDGET_FLOORS * floor
+        lines += [
+            f"| nbgrader autograde, per student ({AUTOGRADE_STUDENTS} graded together) | seconds | / floor | "
+            f"within {AUTOGRADE_BUDGET_FLOORS:.0f}x floor |", "| --- | ---: | ---: | --- |",
+            f"| floor: kernel start + `import torch, matplotlib` | {floor:.1f} | 1.00 | |",
+            *[f"| {name} | {sec:.1f} | {sec / floor:.2f} | {'yes' if sec <= limit else 'NO'} |"
+              for name, sec in times.items()],
+            f"| a class of 200, all chapters, one after another | "
+            f"{200 * sum(times.values()) / 3600:.1f} h | | |",
             "",
         ]
     lines += ["| forward pass (CPU, 1 thread, no grad, best of 30) | module ms | PyTorch ms | ratio |",

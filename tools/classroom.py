@@ -16,6 +16,8 @@ import yaml
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CHAPTERS = ROOT / "chapters"
+# The book's code that every chapter notebook imports: the module, and the exercises' checks.
+CODE_FILES = ("attention.py", "checks.py")
 
 # What a student finds in place of a solution's function body. nbgrader is told to write the
 # same stub (see nbgrader_config.py in `make assignments`), so both routes look alike.
@@ -37,25 +39,28 @@ def repository() -> dict[str, str]:
 # repository at the book's ref. In the book the module is importable and the fetch never runs.
 SETUP_CELL_TEMPLATE = '''```{code-cell} ipython3
 :tags: [remove-cell]
-# Setup, hidden in the book. Makes code/attention.py importable: from the repository when the
-# notebook sits in it, else (Colab, a download) fetched once into this folder. Without myst_nb,
-# glue() just shows its value. Then: reproducible SVG figures, short tensor printing, and the
-# torch version, compared with the one the book's text was checked with.
-import os, pathlib, sys, urllib.request
+# Setup, hidden in the book. Makes the book's code importable, the module code/attention.py and
+# the exercises' checks code/checks.py: from the repository when the notebook sits in it, else
+# (Colab, a download) fetched once into this folder. Without myst_nb, glue() just shows its
+# value. Then: reproducible SVG figures, short tensor printing, and the torch version, compared
+# with the one the book's text was checked with.
+import importlib, os, pathlib, sys, urllib.request
 sys.path.insert(0, str(pathlib.Path.cwd().parent / "code"))
-try:
-    import attention
-except ModuleNotFoundError:
-    url = os.environ.get("ATTENTION_PY_URL") or (  # the published module, at the book's ref
-        "@RAW@"
-        "code/attention.py")
+for module in ("attention", "checks"):
     try:
-        urllib.request.urlretrieve(url, "attention.py")
-    except OSError as err:
-        raise RuntimeError(f"could not fetch {url}: {err}. Upload code/attention.py next "
-                           "to this notebook, or set ATTENTION_PY_URL to its address.") from None
-    sys.path.insert(0, os.getcwd())
-    import attention
+        importlib.import_module(module)
+    except ModuleNotFoundError:
+        url = (os.environ.get("ATTENTION_PY_URL") or (  # the published module, at the book's ref
+            "@RAW@"
+            "code/attention.py")).rsplit("/", 1)[0] + f"/{module}.py"
+        try:
+            urllib.request.urlretrieve(url, f"{module}.py")
+        except OSError as err:
+            raise RuntimeError(f"could not fetch {url}: {err}. Upload code/{module}.py next to "
+                               "this notebook, or set ATTENTION_PY_URL to the address of "
+                               "attention.py (checks.py is fetched from beside it).") from None
+        sys.path.insert(0, os.getcwd())
+        importlib.import_module(module)
 try:
     import myst_nb
 except ImportError:
@@ -265,7 +270,8 @@ def write_student(out: pathlib.Path) -> list[pathlib.Path]:
     for path in fresh_chapter_notebooks():
         nbformat.write(student_notebook(nbformat.read(path, as_version=4)), out / path.name)
         written.append(out / path.name)
-    shutil.copy(ROOT / "code" / "attention.py", out / "attention.py")
+    for name in CODE_FILES:
+        shutil.copy(ROOT / "code" / name, out / name)
     return written
 
 
@@ -386,6 +392,34 @@ def written_solution(exercise: dict) -> str:
     return "\n\n".join(part for part in parts if part)
 
 
+EXERCISES_HEADING = re.compile(r"^## [\d.]* ?Exercises\s*$", re.M)
+NEXT_HEADING = re.compile(r"^## ", re.M)
+
+
+def exercise_sheet(notebook):
+    """The chapter cut down to what its exercises and their grading need: the title, the setup
+    cell, the chapter's imports (its first code cell after the setup), a pointer to the chapter,
+    and the Exercises section. Autograding then runs no demonstration or training run."""
+    import nbformat
+
+    cells = notebook.cells
+    start = next(i for i, c in enumerate(cells)
+                 if c.cell_type == "markdown" and EXERCISES_HEADING.search(c.source))
+    end = next((i for i, c in enumerate(cells[start + 1:], start + 1)
+                if c.cell_type == "markdown" and NEXT_HEADING.search(c.source)
+                and not EXERCISES_HEADING.search(c.source)), len(cells))
+    first = copy.deepcopy(cells[start])
+    first.source = first.source[EXERCISES_HEADING.search(first.source).start():]
+    imports = next(c for c in cells[2:] if c.cell_type == "code")
+    title = cells[0].source.splitlines()[0].lstrip("# ").strip()
+    pointer = nbformat.v4.new_markdown_cell(
+        f"These are the exercises of the chapter *{title}*; read the chapter first, in the book "
+        "or in its full notebook. The cell below imports what the exercises use.")
+    sheet = [copy.deepcopy(cells[0]), copy.deepcopy(cells[1]), pointer, copy.deepcopy(imports),
+             first, *copy.deepcopy(cells[start + 1:end])]
+    return nbformat.v4.new_notebook(cells=sheet, metadata=copy.deepcopy(notebook.metadata))
+
+
 def nbgrader_source(notebook, points: int = 1):
     """The chapter as an nbgrader source notebook.
 
@@ -406,9 +440,9 @@ def nbgrader_source(notebook, points: int = 1):
         if "solution" not in tags:
             new = copy.deepcopy(cell)
             if cell.cell_type == "code":
-                name = re.match(r"def (check_\w+)", cell.source)
+                name = re.match(r"def (check_\w+)|from checks import (check_\w+)", cell.source)
                 if name:
-                    new.metadata.update(_meta("locked", name.group(1)))
+                    new.metadata.update(_meta("locked", name.group(1) or name.group(2)))
                 elif cell.source.startswith("# Setup, hidden in the book"):
                     new.metadata.update(_meta("locked", "setup"))
             cells.append(new)
@@ -430,11 +464,36 @@ def nbgrader_source(notebook, points: int = 1):
         names = "-".join(function_names(cell.source))
         answer = nbformat.v4.new_code_cell(solution_region_code(cell.source))
         answer.metadata.update(_meta("answer", names))
-        test = nbformat.v4.new_code_cell(stub[1])
-        test.metadata.update(_meta("test", f"test-{names}", points))
-        cells += [answer, test]
+        cells.append(answer)
+        for grade_id, source, worth in graded_tests(stub[1], names, points):
+            test = nbformat.v4.new_code_cell(source)
+            test.metadata.update(_meta("test", grade_id, worth))
+            cells.append(test)
     return _renumbered(nbformat.v4.new_notebook(cells=cells,
                                                 metadata=copy.deepcopy(notebook.metadata)))
+
+
+def graded_tests(calls: str, names: str, points: int) -> list[tuple[str, str, int]]:
+    """(grade id, source, points) of the test cells that grade an answer: one per case of a
+    check of code/checks.py (`check_x.grade("case", f)`), worth that case's points; a check
+    still defined in its chapter is one cell worth ``points``."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "code"))
+    import checks
+
+    tests = []
+    for line in calls.splitlines():
+        match = re.fullmatch(r"(check_\w+)\((.*)\)", line.strip())
+        check = getattr(checks, match.group(1), None) if match else None
+        if not isinstance(check, checks.Check):
+            tests.append((f"test-{names}", line, points))
+            continue
+        for number, (title, (_, worth)) in enumerate(check.cases.items(), 1):
+            slug = re.sub(r"[^a-z0-9]+", "-", title.lower()).strip("-")
+            tests.append((f"test-{names}-{number}-{slug}",
+                          f"{match.group(1)}.grade({title!r}, {match.group(2)})", worth))
+    return tests
 
 
 def answer_key(notebook) -> str:
@@ -447,6 +506,9 @@ def answer_key(notebook) -> str:
     return "\n\n".join(parts) + "\n"
 
 
+CHECK_CALL = re.compile(r"(check_\w+)")
+
+
 def assignment_note(notebook) -> str:
     """The note at the top of a released notebook: what is graded, for how much, and how."""
     graded = [c.metadata["nbgrader"] for c in notebook.cells
@@ -455,10 +517,13 @@ def assignment_note(notebook) -> str:
     manual = [g for g in graded if g["solution"]]
     points = lambda cells: sum(g["points"] for g in cells)
     plural = lambda n, word: f"{n} {word}{'s' * (n != 1)}"
-    functions = ", ".join(f"`{g['grade_id'].removeprefix('test-')}`" for g in auto)
+    checks = [CHECK_CALL.match(c.source).group(1) for c in notebook.cells
+              if c.metadata.get("nbgrader", {}).get("grade") and CHECK_CALL.match(c.source)]
+    functions = ", ".join(f"`{name}`" for name in dict.fromkeys(checks))
     return (
         f"**Assignment: {plural(points(graded), 'point')}.** "
-        f"{plural(points(auto), 'point')} graded automatically ({functions}) and "
+        f"{plural(points(auto), 'point')} graded automatically, one test per case of the "
+        f"checks ({functions}), and "
         f"{plural(points(manual), 'point')} by your instructor, "
         f"{plural(len(manual), 'written or computed answer')} worth {WRITTEN_POINTS} each. "
         "Where an exercise asks for a function you will find its signature and "
@@ -492,12 +557,13 @@ def write_assignments(out: pathlib.Path) -> list[pathlib.Path]:
     for path in fresh_chapter_notebooks():
         folder = out / "source" / path.stem
         folder.mkdir(parents=True, exist_ok=True)
-        notebook = nbgrader_source(nbformat.read(path, as_version=4))
+        notebook = nbgrader_source(exercise_sheet(nbformat.read(path, as_version=4)))
         note = nbformat.v4.new_markdown_cell(assignment_note(notebook))
         note.metadata.update(_meta("locked", "assignment-note"))
         notebook.cells.insert(1, note)
         nbformat.write(_renumbered(notebook), folder / path.name)
-        shutil.copy(ROOT / "code" / "attention.py", folder / "attention.py")
+        for name in CODE_FILES:
+            shutil.copy(ROOT / "code" / name, folder / name)
         key = out / "answer-key" / f"{path.stem}.md"
         key.parent.mkdir(exist_ok=True)
         key.write_text(answer_key(nbformat.read(path, as_version=4)))
