@@ -556,3 +556,30 @@ def test_course_commands_explain_a_missing_assignment(tmp_path):
     classroom.write_course_support(tmp_path)
     with pytest.raises(SystemExit, match="make autograde A="):
         classroom.course_command(tmp_path, "autograde", None)
+
+
+def test_instructors_table_lists_every_exercise_with_its_points():
+    """The exercise table of chapters/instructors.md: one row per exercise, in book order, with
+    its title, how it is graded and the points `make assignments` gives it."""
+    rows = re.findall(r"^\| (\d+\.\d+) \| (.+?) \| (\w+), (auto|by hand) \| (\d+) \| (\d+) \|",
+                      (ROOT / "chapters" / "instructors.md").read_text(), re.M)
+    expected = []
+    for path in NOTEBOOKS:
+        chapter = read(path)
+        sheet = classroom.nbgrader_source(classroom.exercise_sheet(chapter))
+        points, current = {}, None
+        for cell in sheet.cells:
+            match = (classroom.EXERCISE.search(cell.source) if cell.cell_type == "markdown"
+                     else None)
+            if match:
+                current = match.group(1)
+            meta = cell.metadata.get("nbgrader", {})
+            if meta.get("grade") and current:
+                points[current] = points.get(current, 0) + meta["points"]
+        for ex in classroom.exercises(chapter):
+            expected.append((ex["number"], ex["title"], "auto" if ex["coding"] else "by hand",
+                             str(points[ex["number"]])))
+    assert [(n, t, g, p) for n, t, _, g, p, _ in rows] == expected
+    for number, _, kind, graded, _, minutes in rows:
+        assert (kind == "code") == (graded == "auto"), number
+        assert 5 <= int(minutes) <= 60, number
