@@ -583,3 +583,50 @@ def test_instructors_table_lists_every_exercise_with_its_points():
     for number, _, kind, graded, _, minutes in rows:
         assert (kind == "code") == (graded == "auto"), number
         assert 5 <= int(minutes) <= 60, number
+
+
+def test_course_plan_merges_chapters_leaves_out_and_sets_points(tmp_path):
+    """course.yml: one assignment of two chapters, an exercise left out, points set; nbgrader
+    accepts the result."""
+    (tmp_path / "course.yml").write_text(
+        "assignments:\n"
+        "  week-1:\n"
+        "    chapters: [01-intuition, 02-queries-keys-values]\n"
+        "    leave_out: ['1.2']\n"
+        "    points: {'1.1': 3, '2.3': 10}\n")
+    written = classroom.write_assignments(tmp_path)
+    assert [p.relative_to(tmp_path).as_posix() for p in written] == [
+        "source/week-1/week-1.ipynb"]
+    notebook = read(written[0])
+    numbers = [ex["number"] for ex in classroom.exercises(notebook)]
+    assert numbers == ["1.1", "1.3", "1.4", "2.1", "2.2", "2.3", "2.4"]
+    points, current = {}, None
+    for cell in notebook.cells:
+        match = classroom.EXERCISE.search(cell.source) if cell.cell_type == "markdown" else None
+        if match:
+            current = match.group(1)
+        meta = cell.metadata.get("nbgrader", {})
+        if meta.get("grade"):
+            points[current] = points.get(current, 0) + meta["points"]
+    assert points["1.1"] == 3 and points["2.3"] == 10 and "1.2" not in points
+    assert points["1.3"] == classroom.WRITTEN_POINTS
+    sources = [c.source for c in notebook.cells]
+    assert sum(s.startswith("# Setup, hidden in the book") for s in sources) == 1
+    assert (tmp_path / "course.example.yml").is_file()
+    assert (tmp_path / "answer-key" / "01-intuition.md").is_file()
+    classroom.nbgrader(tmp_path, "generate_assignment", "week-1", "--force")
+    assert (tmp_path / "release" / "week-1" / "week-1.ipynb").is_file()
+
+
+@pytest.mark.parametrize("plan, message", [
+    ("assignments:\n  a:\n    chapters: [99-nothing]\n", "unknown: 99-nothing"),
+    ("assignments:\n  a:\n    chapters: [01-intuition]\n    leave_out: ['2.1']\n",
+     "no exercise 2.1"),
+    ("assignments:\n  a:\n    chapters: [01-intuition]\n    points: {'1.4': 1}\n",
+     "at least 4 points"),
+    ("assignments:\n  a:\n    chapter: [01-intuition]\n", "unknown keys"),
+])
+def test_course_plan_says_what_is_wrong(tmp_path, plan, message):
+    (tmp_path / "course.yml").write_text(plan)
+    with pytest.raises(SystemExit, match=message):
+        classroom.write_assignments(tmp_path)

@@ -538,14 +538,125 @@ def assignment_note(notebook) -> str:
         "Assignments tab, or an upload).")
 
 
+COURSE_PLAN = "course.yml"
+COURSE_PLAN_EXAMPLE = """\
+# The plan of a course, read by `make assignments` from course.yml beside this file (copy this
+# one to start). Without course.yml every chapter is an assignment of its own, with every
+# exercise at the book's points. An assignment names its chapters, merged into one notebook in
+# this order; it may leave exercises out and set an exercise's points. For an autograded
+# exercise the points are shared out over the cases of its check.
+assignments:
+  week-1:
+    chapters: [01-intuition, 02-queries-keys-values]
+    leave_out: ["1.2", "2.2"]
+    points: {"1.1": 3, "2.3": 10}
+  week-2:
+    chapters: [03-scaling]
+"""
+
+
+def course_plan(course: pathlib.Path, chapters: list[str]) -> dict[str, dict]:
+    """{assignment: {"chapters": [...], "leave_out": [...], "points": {...}}} from the course's
+    course.yml, or one assignment per chapter without one. SystemExit naming what is wrong."""
+    path = course / COURSE_PLAN
+    if not path.is_file():
+        return {name: {"chapters": [name], "leave_out": [], "points": {}} for name in chapters}
+    plan = yaml.safe_load(path.read_text()) or {}
+    assignments = plan.get("assignments")
+    if not isinstance(assignments, dict) or not assignments:
+        raise SystemExit(f"{path}: expected `assignments:` with at least one assignment")
+    result = {}
+    for name, spec in assignments.items():
+        spec = spec or {}
+        if not re.fullmatch(r"[A-Za-z0-9_-]+", str(name)):
+            raise SystemExit(f"{path}: {name!r}: an assignment's name may hold letters, digits, "
+                             "- and _ only")
+        unknown = set(spec) - {"chapters", "leave_out", "points"}
+        if unknown:
+            raise SystemExit(f"{path}: {name}: unknown keys {sorted(unknown)}; use chapters, "
+                             "leave_out, points")
+        names = [str(c) for c in spec.get("chapters") or []]
+        missing = [c for c in names if c not in chapters]
+        if not names or missing:
+            raise SystemExit(f"{path}: {name}: chapters must name some of {', '.join(chapters)}"
+                             + (f"; unknown: {', '.join(missing)}" if missing else ""))
+        result[str(name)] = {"chapters": names,
+                             "leave_out": [str(n) for n in spec.get("leave_out") or []],
+                             "points": {str(k): int(v) for k, v in (spec.get("points") or {}).items()}}
+    return result
+
+
+def merged_sheet(title: str, sheets: list):
+    """Several exercise sheets as one notebook: one title and setup cell, then each chapter's
+    pointer, imports and exercises."""
+    import nbformat
+
+    if len(sheets) == 1:
+        return sheets[0]
+    cells = [nbformat.v4.new_markdown_cell(f"# {title}"), sheets[0].cells[1]]
+    for sheet in sheets:
+        cells += sheet.cells[2:]
+    merged = nbformat.v4.new_notebook(metadata=copy.deepcopy(sheets[0].metadata))
+    merged.cells = copy.deepcopy(cells)
+    return _renumbered(merged)  # the chapters' cell ids repeat
+
+
+def leave_out(sheet, numbers: set[str]):
+    """The sheet without the exercises numbered in `numbers`: their statements and solutions."""
+    kept, dropping = [], False
+    for cell in sheet.cells:
+        match = EXERCISE.search(cell.source) if cell.cell_type == "markdown" else None
+        if match:
+            dropping = match.group(1) in numbers
+            if dropping:
+                before = cell.source[:match.start()].rstrip()
+                if before:  # text of the chapter in the same cell stays
+                    cell = copy.deepcopy(cell)
+                    cell.source = before
+                    kept.append(cell)
+                continue
+        elif dropping and "solution" in _tags(cell):
+            continue
+        else:
+            dropping = False
+        kept.append(cell)
+    sheet.cells = kept
+    return sheet
+
+
+def set_points(notebook, points: dict[str, int]) -> None:
+    """Give exercise N.M the points `points[N.M]`: a hand-graded answer all of them, an
+    autograded one shared over its test cells (the first cells get the remainder)."""
+    graded, current = {}, None
+    for cell in notebook.cells:
+        match = EXERCISE.search(cell.source) if cell.cell_type == "markdown" else None
+        if match:
+            current = match.group(1)
+        meta = cell.metadata.get("nbgrader", {})
+        if meta.get("grade") and current:
+            graded.setdefault(current, []).append(meta)
+    for number, total in points.items():
+        cells = graded.get(number)
+        if not cells:
+            raise SystemExit(f"course.yml: exercise {number} is not in this assignment")
+        if total < len(cells):
+            raise SystemExit(f"course.yml: exercise {number} has {len(cells)} graded cells; "
+                             f"give it at least {len(cells)} points")
+        share, extra = divmod(total, len(cells))
+        for index, meta in enumerate(cells):
+            meta["points"] = share + (index < extra)
+
+
 def write_assignments(out: pathlib.Path) -> list[pathlib.Path]:
-    """An nbgrader course: nbgrader_config.py and source/<chapter>/<chapter>.ipynb.
+    """An nbgrader course: nbgrader_config.py and source/<assignment>/<assignment>.ipynb, one
+    assignment per chapter or as the course's course.yml plans them (see COURSE_PLAN_EXAMPLE,
+    written beside it as course.example.yml).
 
     Run again after a change to the book, it rewrites the source notebooks and the files the
     book provides, and nothing else: gradebook.db, release/, submitted/, autograded/,
-    feedback/ and course_config.py stay as they are. Each assignment folder also holds
-    attention.py, which nbgrader releases with the notebook, so the notebook's first cell finds
-    the module beside it, offline.
+    feedback/, course.yml and course_config.py stay as they are. Each assignment folder also
+    holds the book's code (attention.py, checks.py), which nbgrader releases with the notebook,
+    so the notebook's first cell finds it beside it, offline.
     """
     import shutil
 
@@ -553,21 +664,33 @@ def write_assignments(out: pathlib.Path) -> list[pathlib.Path]:
 
     out.mkdir(parents=True, exist_ok=True)
     write_course_support(out)
+    (out / "course.example.yml").write_text(COURSE_PLAN_EXAMPLE)
+    chapters = {path.stem: path for path in fresh_chapter_notebooks()}
+    for stem, path in chapters.items():
+        key = out / "answer-key" / f"{stem}.md"
+        key.parent.mkdir(exist_ok=True)
+        key.write_text(answer_key(nbformat.read(path, as_version=4)))
     written = []
-    for path in fresh_chapter_notebooks():
-        folder = out / "source" / path.stem
-        folder.mkdir(parents=True, exist_ok=True)
-        notebook = nbgrader_source(exercise_sheet(nbformat.read(path, as_version=4)))
+    for name, spec in course_plan(out, list(chapters)).items():
+        notebooks = [nbformat.read(chapters[c], as_version=4) for c in spec["chapters"]]
+        titles = [nb.cells[0].source.splitlines()[0].lstrip("# ").strip() for nb in notebooks]
+        sheet = merged_sheet(f"{name}: {'; '.join(titles)}", [exercise_sheet(nb) for nb in notebooks])
+        numbers = {ex["number"] for ex in exercises(sheet)}
+        unknown = set(spec["leave_out"]) - numbers
+        if unknown:
+            raise SystemExit(f"course.yml: {name}: no exercise {', '.join(sorted(unknown))} in "
+                             f"its chapters")
+        notebook = nbgrader_source(leave_out(sheet, set(spec["leave_out"])))
+        set_points(notebook, spec["points"])
         note = nbformat.v4.new_markdown_cell(assignment_note(notebook))
         note.metadata.update(_meta("locked", "assignment-note"))
         notebook.cells.insert(1, note)
-        nbformat.write(_renumbered(notebook), folder / path.name)
-        for name in CODE_FILES:
-            shutil.copy(ROOT / "code" / name, folder / name)
-        key = out / "answer-key" / f"{path.stem}.md"
-        key.parent.mkdir(exist_ok=True)
-        key.write_text(answer_key(nbformat.read(path, as_version=4)))
-        written.append(folder / path.name)
+        folder = out / "source" / name
+        folder.mkdir(parents=True, exist_ok=True)
+        nbformat.write(_renumbered(notebook), folder / f"{name}.ipynb")
+        for code in CODE_FILES:
+            shutil.copy(ROOT / "code" / code, folder / code)
+        written.append(folder / f"{name}.ipynb")
     return written
 
 
@@ -665,7 +788,8 @@ if __name__ == "__main__":
         case ["assignments", out]:
             course = pathlib.Path(out)
             kept = [name for name in ("gradebook.db", "release", "submitted", "autograded",
-                                      "feedback", "course_config.py") if (course / name).exists()]
+                                      "feedback", "course_config.py", "course.yml")
+                    if (course / name).exists()]
             for path in write_assignments(course):
                 print(f"{path.parent.name}: {path.relative_to(course)}")
             if kept:
