@@ -630,3 +630,23 @@ def test_course_plan_says_what_is_wrong(tmp_path, plan, message):
     (tmp_path / "course.yml").write_text(plan)
     with pytest.raises(SystemExit, match=message):
         classroom.write_assignments(tmp_path)
+
+
+def test_student_folder_runs_offline(student, tmp_path):
+    """`make student`'s folder holds the book's code beside the notebooks: a notebook's setup
+    cell and its check import run there with every fetch bound to fail."""
+    from nbclient import NotebookClient
+
+    folder = tmp_path / "student"
+    classroom.write_student(folder)
+    for name in classroom.CODE_FILES:
+        assert (folder / name).read_text() == (ROOT / "code" / name).read_text()
+    path = folder / NOTEBOOKS[0].name
+    notebook = read(path)
+    check_import = next(c for c in notebook.cells if c.source.startswith("from checks import"))
+    notebook.cells = [notebook.cells[0], notebook.cells[2], check_import]  # title, setup, import
+    nowhere = (tmp_path / "nowhere" / "attention.py").as_uri()
+    NotebookClient(notebook, timeout=60, kernel_name="python3",
+                   resources={"metadata": {"path": str(folder)}}).execute(
+        env={**os.environ, "PYTHONPATH": "", "ATTENTION_PY_URL": nowhere})
+    assert sorted(p.name for p in folder.glob("*.py")) == sorted(classroom.CODE_FILES)
