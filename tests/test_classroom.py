@@ -231,8 +231,8 @@ def make(target: str, course: pathlib.Path, assignment: str = "") -> str:
 
 def catalogue_answer(check: str, function: str, earns: str):
     """A wrong answer of tests/test_exercises.py's catalogue for `function`, as the source of a
-    definition named `function`, self-contained (it uses only what a solution cell may), with
-    the points the in-process grading gives it; None if the catalogue has none such."""
+    definition named `function` with the catalogue's helpers it calls, and the points the
+    in-process grading gives that very source; None if the catalogue has none such."""
     import inspect
 
     import test_exercises as catalogue
@@ -240,15 +240,35 @@ def catalogue_answer(check: str, function: str, earns: str):
     if not catalogue.is_module_check(check):
         return None  # a check still in its chapter grades all or nothing
     names = catalogue.REFERENCES[check].functions
+    known = set(catalogue.SOLUTION_GLOBALS) | set(dir(__builtins__))
+
+    def helpers(fn, seen):
+        """Sources of the catalogue's functions that fn calls, deepest first."""
+        found = []
+        for name in fn.__code__.co_names:
+            helper = getattr(catalogue, name, None)
+            if name in known or name in seen or not inspect.isfunction(helper):
+                continue
+            seen.add(name)
+            found += helpers(helper, seen) + [inspect.getsource(helper)]
+        return found
+
     for fn_name, fragment, replaces, fn in catalogue.WRONG.get(check, []):
-        target = replaces or names[0]
-        free = set(fn.__code__.co_names) - set(catalogue.SOLUTION_GLOBALS) - set(dir(__builtins__))
-        if target != function or catalogue.EARNS[check, fn_name] != earns or free:
+        if (replaces or names[0]) != function or catalogue.EARNS[check, fn_name] != earns:
             continue
         source = inspect.getsource(fn)
-        source = re.sub(r"^@.*\n", "", source, flags=re.M)
-        source = re.sub(rf"^def {fn_name}\(", f"def {function}(", source, flags=re.M)
-        earned, _ = catalogue.graded_points(check, {function: fn})
+        source = source[source.index(f"def {fn_name}("):]  # without its registration
+        source = source.replace(f"def {fn_name}(", f"def {function}(", 1)
+        source = "\n\n".join(helpers(fn, {fn_name}) + [source])
+        namespace = dict(catalogue.SOLUTION_GLOBALS)
+        try:
+            exec(compile(source, f"<{fn_name}>", "exec"), namespace)
+        except NameError:
+            continue
+        try:
+            earned, _ = catalogue.graded_points(check, {function: namespace[function]})
+        except NameError:
+            continue  # it needs a name the catalogue's module has and a notebook has not
         return source, earned
     return None
 
