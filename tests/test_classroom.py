@@ -201,16 +201,7 @@ def test_every_exercise_has_a_graded_cell(course):
         numbers = [ex["number"] for ex in classroom.exercises(chapter)]
         directives = path.with_suffix(".md").read_text().count("```{exercise}")
         assert len(numbers) == directives, (path.name, numbers)
-        notebook = read(course / "source" / path.stem / path.name)
-        graded, current = {}, None
-        for cell in notebook.cells:
-            match = (classroom.EXERCISE.search(cell.source) if cell.cell_type == "markdown"
-                     else None)
-            if match:
-                current = match.group(1)
-            meta = cell.metadata.get("nbgrader", {})
-            if meta.get("grade") and current:
-                graded.setdefault(current, []).append(meta["grade_id"])
+        graded = classroom.graded_by_exercise(read(course / "source" / path.stem / path.name))
         assert sorted(graded) == sorted(numbers), (path.name, graded, numbers)
         key = (course / "answer-key" / f"{path.stem}.md").read_text()
         for ex in classroom.exercises(chapter):
@@ -587,15 +578,8 @@ def test_instructors_table_lists_every_exercise_with_its_points():
     for path in NOTEBOOKS:
         chapter = read(path)
         sheet = classroom.nbgrader_source(classroom.exercise_sheet(chapter))
-        points, current = {}, None
-        for cell in sheet.cells:
-            match = (classroom.EXERCISE.search(cell.source) if cell.cell_type == "markdown"
-                     else None)
-            if match:
-                current = match.group(1)
-            meta = cell.metadata.get("nbgrader", {})
-            if meta.get("grade") and current:
-                points[current] = points.get(current, 0) + meta["points"]
+        points = {number: sum(meta["points"] for meta in cells)
+                  for number, cells in classroom.graded_by_exercise(sheet).items()}
         for ex in classroom.exercises(chapter):
             expected.append((ex["number"], ex["title"], "auto" if ex["coding"] else "by hand",
                              str(points[ex["number"]])))
@@ -620,14 +604,8 @@ def test_course_plan_merges_chapters_leaves_out_and_sets_points(tmp_path):
     notebook = read(written[0])
     numbers = [ex["number"] for ex in classroom.exercises(notebook)]
     assert numbers == ["1.1", "1.3", "1.4", "2.1", "2.2", "2.3", "2.4"]
-    points, current = {}, None
-    for cell in notebook.cells:
-        match = classroom.EXERCISE.search(cell.source) if cell.cell_type == "markdown" else None
-        if match:
-            current = match.group(1)
-        meta = cell.metadata.get("nbgrader", {})
-        if meta.get("grade"):
-            points[current] = points.get(current, 0) + meta["points"]
+    points = {number: sum(meta["points"] for meta in cells)
+              for number, cells in classroom.graded_by_exercise(notebook).items()}
     assert points["1.1"] == 3 and points["2.3"] == 10 and "1.2" not in points
     assert points["1.3"] == classroom.WRITTEN_POINTS
     sources = [c.source for c in notebook.cells]

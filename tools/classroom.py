@@ -325,7 +325,8 @@ def write_course_support(out: pathlib.Path) -> None:
     import shutil
     import sys
 
-    sys.path.insert(0, str(ROOT / "_ext"))
+    if str(ROOT / "_ext") not in sys.path:
+        sys.path.insert(0, str(ROOT / "_ext"))
     import offline_mathjax
 
     config = (NBGRADER_CONFIG.replace("@STUB@", json.dumps(STUB_BODY))
@@ -420,15 +421,15 @@ def exercise_sheet(notebook):
     return nbformat.v4.new_notebook(cells=sheet, metadata=copy.deepcopy(notebook.metadata))
 
 
-def nbgrader_source(notebook, points: int = 1):
+def nbgrader_source(notebook):
     """The chapter as an nbgrader source notebook.
 
     Each coding exercise becomes an autograded answer cell (the reference code inside
-    ### BEGIN/END SOLUTION) and a locked test cell worth ``points`` that calls the chapter's
-    check. Every other exercise gets a manually graded Markdown answer cell worth WRITTEN_POINTS
+    ### BEGIN/END SOLUTION) and one locked test cell per case of its check, worth that case's
+    points (graded_tests). Every other exercise gets a manually graded Markdown answer cell worth WRITTEN_POINTS
     right after its statement, whose source is the book's solution (the release replaces it with
     nbgrader's text stub), followed by an ungraded code cell where the solution computes. The setup
-    cell and the cells that define the checks are locked: autograding puts them back if a
+    cell and the cells that import the checks are locked: autograding puts them back if a
     student edits them.
     """
     import nbformat
@@ -440,9 +441,9 @@ def nbgrader_source(notebook, points: int = 1):
         if "solution" not in tags:
             new = copy.deepcopy(cell)
             if cell.cell_type == "code":
-                name = re.match(r"def (check_\w+)|from checks import (check_\w+)", cell.source)
+                name = re.match(r"from checks import (check_\w+)", cell.source)
                 if name:
-                    new.metadata.update(_meta("locked", name.group(1) or name.group(2)))
+                    new.metadata.update(_meta("locked", name.group(1)))
                 elif cell.source.startswith("# Setup, hidden in the book"):
                     new.metadata.update(_meta("locked", "setup"))
             cells.append(new)
@@ -465,7 +466,7 @@ def nbgrader_source(notebook, points: int = 1):
         answer = nbformat.v4.new_code_cell(solution_region_code(cell.source))
         answer.metadata.update(_meta("answer", names))
         cells.append(answer)
-        for grade_id, source, worth in graded_tests(stub[1], names, points):
+        for grade_id, source, worth in graded_tests(stub[1], names):
             test = nbformat.v4.new_code_cell(source)
             test.metadata.update(_meta("test", grade_id, worth))
             cells.append(test)
@@ -473,13 +474,13 @@ def nbgrader_source(notebook, points: int = 1):
                                                 metadata=copy.deepcopy(notebook.metadata)))
 
 
-def graded_tests(calls: str, names: str, points: int) -> list[tuple[str, str, int]]:
+def graded_tests(calls: str, names: str) -> list[tuple[str, str, int]]:
     """(grade id, source, points) of the test cells that grade an answer: one per case of a
-    check of code/checks.py (`check_x.grade("case", f)`), worth that case's points; a check
-    still defined in its chapter is one cell worth ``points``."""
+    check of code/checks.py (`check_x.grade("case", f)`), worth that case's points."""
     import sys
 
-    sys.path.insert(0, str(ROOT / "code"))
+    if str(ROOT / "code") not in sys.path:
+        sys.path.insert(0, str(ROOT / "code"))
     import checks
 
     tests = []
@@ -487,8 +488,8 @@ def graded_tests(calls: str, names: str, points: int) -> list[tuple[str, str, in
         match = re.fullmatch(r"(check_\w+)\((.*)\)", line.strip())
         check = getattr(checks, match.group(1), None) if match else None
         if not isinstance(check, checks.Check):
-            tests.append((f"test-{names}", line, points))
-            continue
+            raise ValueError(f"{line.strip()!r}: a solution calls a check that code/checks.py "
+                             "does not define")
         for number, (title, (_, worth)) in enumerate(check.cases.items(), 1):
             slug = re.sub(r"[^a-z0-9]+", "-", title.lower()).strip("-")
             tests.append((f"test-{names}-{number}-{slug}",
@@ -624,9 +625,9 @@ def leave_out(sheet, numbers: set[str]):
     return sheet
 
 
-def set_points(notebook, points: dict[str, int]) -> None:
-    """Give exercise N.M the points `points[N.M]`: a hand-graded answer all of them, an
-    autograded one shared over its test cells (the first cells get the remainder)."""
+def graded_by_exercise(notebook) -> dict[str, list[dict]]:
+    """{exercise number: the nbgrader metadata of its graded cells}, for an nbgrader source
+    notebook: a graded cell belongs to the last exercise statement above it."""
     graded, current = {}, None
     for cell in notebook.cells:
         match = EXERCISE.search(cell.source) if cell.cell_type == "markdown" else None
@@ -635,6 +636,13 @@ def set_points(notebook, points: dict[str, int]) -> None:
         meta = cell.metadata.get("nbgrader", {})
         if meta.get("grade") and current:
             graded.setdefault(current, []).append(meta)
+    return graded
+
+
+def set_points(notebook, points: dict[str, int]) -> None:
+    """Give exercise N.M the points `points[N.M]`: a hand-graded answer all of them, an
+    autograded one shared over its test cells (the first cells get the remainder)."""
+    graded = graded_by_exercise(notebook)
     for number, total in points.items():
         cells = graded.get(number)
         if not cells:
