@@ -43,6 +43,8 @@ __all__ = [
     "causal_mask",
     "padding_mask",
     "MultiHeadAttention",
+    "KVCache",
+    "repeat_kv",
     "plot_attention",
 ]
 
@@ -78,19 +80,28 @@ def softmax(scores: Tensor, dim: int = -1) -> Tensor:
 # ----------------------------------------------------------------------- masks
 
 
-def causal_mask(L: int, S: Optional[int] = None, *, device=None) -> Tensor:
+def causal_mask(
+    L: int, S: Optional[int] = None, *, window: Optional[int] = None,
+    device=None,
+) -> Tensor:
     """Boolean ``(L, S)`` mask, True on and below the diagonal.
 
     Query i may attend to keys 0..i. With ``S != L`` the diagonal starts at
-    the top-left corner, as PyTorch's ``is_causal=True`` does.
+    the top-left corner, as PyTorch's ``is_causal=True`` does. With
+    ``window=W`` query i sees only the last W of them, keys i-W+1..i (a
+    sliding window): True where ``0 <= i - j < W``.
     """
     S = L if S is None else S
-    for name, n in (("L", L), ("S", S)):
+    sizes = {"L": L, "S": S, **({} if window is None else {"window": window})}
+    for name, n in sizes.items():
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(
                 f"causal_mask needs positive integer sizes, got {name}={n!r}"
             )
-    return torch.ones(L, S, dtype=torch.bool, device=device).tril()  # (L, S)
+    mask = torch.ones(L, S, dtype=torch.bool, device=device).tril()  # (L, S)
+    if window is not None:
+        mask = mask.triu(-(window - 1))  # drop keys W or more steps back
+    return mask
 
 
 def padding_mask(
@@ -272,10 +283,17 @@ class MultiHeadAttention(nn.Module):
     of another size): ``kdim`` and ``vdim`` are then the widths that
     ``k_proj`` and ``v_proj`` read, as in PyTorch's module. ``device`` and
     ``dtype`` place the parameters.
+
+    ``num_kv_heads`` (G, a divisor of ``num_heads``; default ``num_heads``)
+    gives grouped-query attention: ``k_proj`` and ``v_proj`` output only
+    ``G * head_dim`` features, and query head h reads key/value head
+    ``h // (num_heads // G)``, as PyTorch's ``enable_gqa=True`` pairs them.
+    ``num_kv_heads=1`` is multi-query attention.
     """
 
     def __init__(
-        self, d_model: int, num_heads: int, *, dropout: float = 0.0,
+        self, d_model: int, num_heads: int, *,
+        num_kv_heads: Optional[int] = None, dropout: float = 0.0,
         bias: bool = True, kdim: Optional[int] = None,
         vdim: Optional[int] = None, device=None, dtype=None,
     ):
@@ -285,16 +303,24 @@ class MultiHeadAttention(nn.Module):
                 f"d_model={d_model} must be a positive multiple of "
                 f"num_heads={num_heads}"
             )
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if num_kv_heads < 1 or num_heads % num_kv_heads != 0:
+            raise ValueError(
+                f"num_kv_heads={num_kv_heads} must be a positive divisor of "
+                f"num_heads={num_heads}"
+            )
         self.d_model = d_model
         self.kdim = d_model if kdim is None else kdim
         self.vdim = d_model if vdim is None else vdim
         self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
         self.head_dim = d_model // num_heads
         self.dropout = dropout
+        kv_width = num_kv_heads * self.head_dim
         place = {"bias": bias, "device": device, "dtype": dtype}
         self.q_proj = nn.Linear(d_model, d_model, **place)
-        self.k_proj = nn.Linear(self.kdim, d_model, **place)
-        self.v_proj = nn.Linear(self.vdim, d_model, **place)
+        self.k_proj = nn.Linear(self.kdim, kv_width, **place)
+        self.v_proj = nn.Linear(self.vdim, kv_width, **place)
         self.out_proj = nn.Linear(d_model, d_model, **place)
 
     def forward(
@@ -305,6 +331,7 @@ class MultiHeadAttention(nn.Module):
         *,
         attn_mask: Optional[Tensor] = None,
         is_causal: bool = False,
+        cache: Optional["KVCache"] = None,
     ) -> tuple[Tensor, Tensor]:
         """Attend from query ``(B, L, D)`` to key, value ``(B, S, D)``.
 
@@ -312,24 +339,46 @@ class MultiHeadAttention(nn.Module):
         ``attn_mask`` broadcasts to ``(B, H, L, S)``: ``(L, S)`` for one
         mask shared by all, ``(B, 1, 1, S)`` for key padding. A 3-D mask
         is read as PyTorch's module reads it, ``(B * H, L, S)``.
+
+        With a ``cache`` (self-attention while decoding; see ``KVCache``)
+        the L new tokens' keys and values are appended to it first, and S
+        counts every key the new queries may see: the cached ones and the
+        new. ``is_causal`` then aligns the new queries with the *last* L
+        keys (bottom right), since they are the newest positions.
         """
         self._check_inputs(query, key, value)
-        if attn_mask is not None and attn_mask.dim() == 3:
-            attn_mask = self._unflatten_heads(attn_mask, query, key)
+        if cache is not None and query.shape[1] != key.shape[1]:
+            raise ValueError(
+                "a KVCache is for self-attention: the new queries are the new "
+                f"positions, so query and key need one length; got query "
+                f"{tuple(query.shape)}, key {tuple(key.shape)}"
+            )
         q = self.split_heads(self.q_proj(query))  # (B, H, L, head_dim)
-        k = self.split_heads(self.k_proj(key))  # (B, H, S, head_dim)
-        v = self.split_heads(self.v_proj(value))  # (B, H, S, head_dim)
+        k = self.split_heads(self.k_proj(key))  # (B, G, S, head_dim)
+        v = self.split_heads(self.v_proj(value))  # (B, G, S, head_dim)
+        if cache is not None:  # S becomes the cached positions plus the new
+            k, v, visible = cache.update(k, v, is_causal=is_causal)
+            is_causal = False  # visible (L, S) holds the alignment instead
+        if attn_mask is not None and attn_mask.dim() == 3:
+            B, _, L, _ = q.shape
+            attn_mask = self._unflatten_heads(attn_mask, B, L, k.shape[-2])
+        if cache is not None:
+            attn_mask = visible if attn_mask is None else _and_mask(attn_mask, visible)
+        groups = self.num_heads // self.num_kv_heads
         heads, weights = scaled_dot_product_attention(
-            q, k, v, attn_mask=attn_mask, is_causal=is_causal,
+            q, repeat_kv(k, groups), repeat_kv(v, groups),
+            attn_mask=attn_mask, is_causal=is_causal,
             dropout_p=self.dropout if self.training else 0.0,
         )  # (B, H, L, head_dim), (B, H, L, S)
         output = self.out_proj(self.merge_heads(heads))  # (B, L, D)
         return output, weights
 
     def split_heads(self, x: Tensor) -> Tensor:
-        """(B, T, D) -> (B, H, T, head_dim); head h: h-th slice of D."""
-        B, T, _ = x.shape
-        x = x.view(B, T, self.num_heads, self.head_dim)  # (B, T, H, head_dim)
+        """(B, T, D) -> (B, H, T, head_dim); head h: h-th slice of D. The
+        keys and values of grouped-query attention, (B, T, G * head_dim),
+        split the same way into (B, G, T, head_dim)."""
+        B, T, width = x.shape
+        x = x.view(B, T, width // self.head_dim, self.head_dim)  # (B, T, H, hd)
         return x.transpose(1, 2)  # (B, H, T, head_dim)
 
     def merge_heads(self, x: Tensor) -> Tensor:
@@ -337,10 +386,9 @@ class MultiHeadAttention(nn.Module):
         B, _, T, _ = x.shape
         return x.transpose(1, 2).reshape(B, T, self.d_model)  # (B, T, D)
 
-    def _unflatten_heads(self, attn_mask: Tensor, query: Tensor, key: Tensor):
+    def _unflatten_heads(self, attn_mask: Tensor, B: int, L: int, S: int):
         """(B * H, L, S) -> (B, H, L, S). Broadcasting a 3-D mask against
         (B, H, L, S) would pair its first axis with the heads, silently."""
-        B, L, S = query.shape[0], query.shape[1], key.shape[1]
         H = self.num_heads
         if tuple(attn_mask.shape) != (B * H, L, S):
             raise ValueError(
@@ -415,6 +463,98 @@ class MultiHeadAttention(nn.Module):
                 new.out_proj.bias.copy_(m.out_proj.bias)
         new.train(m.training)
         return new
+
+
+# ---------------------------------------------------------- key-value cache
+
+
+def repeat_kv(x: Tensor, n_rep: int) -> Tensor:
+    """(B, G, S, head_dim) -> (B, G * n_rep, S, head_dim): each key/value
+    head repeated ``n_rep`` times in a row, so that head h of the result is
+    head ``h // n_rep`` of ``x`` (grouped-query attention's pairing)."""
+    if isinstance(n_rep, bool) or not isinstance(n_rep, int) or n_rep < 1:
+        raise ValueError(f"repeat_kv needs a positive integer n_rep, got {n_rep!r}")
+    if n_rep == 1:
+        return x
+    return x.repeat_interleave(n_rep, dim=-3)
+
+
+def _and_mask(attn_mask: Tensor, visible: Tensor) -> Tensor:
+    """A user's mask combined with the cache's boolean (L, S) alignment."""
+    if attn_mask.dtype == torch.bool:
+        return attn_mask & visible
+    return attn_mask.masked_fill(~visible, float("-inf"))
+
+
+class KVCache:
+    """The keys and values a decoder has computed so far, for self-attention.
+
+    Pass the same cache to every call of one ``MultiHeadAttention`` while
+    generating: ``out, w = mha(x_new, x_new, x_new, is_causal=True,
+    cache=cache)``. Each call appends the new tokens' keys and values,
+    ``keys`` and ``values`` of shape ``(B, G, len(cache), head_dim)`` (per
+    key/value head; None before the first call), and lets the new queries,
+    the newest positions, see every stored key and, with ``is_causal``,
+    the new keys up to their own position. Any chunking of a sequence
+    (the prompt at once, then one token at a time) then gives the rows of
+    ``mha(x, x, x, is_causal=True)`` on the whole sequence.
+
+    ``window=W`` makes it a rolling cache for sliding-window attention: a
+    query at position p sees the keys at positions p-W+1..p only, and each
+    call keeps just the last W positions. ``seen`` counts the positions
+    processed so far (the position of the next token).
+    """
+
+    def __init__(self, window: Optional[int] = None):
+        if window is not None and (
+                isinstance(window, bool) or not isinstance(window, int)
+                or window < 1):
+            raise ValueError(f"window must be a positive integer, got {window!r}")
+        self.window = window
+        self.keys: Optional[Tensor] = None
+        self.values: Optional[Tensor] = None
+        self.seen = 0
+
+    def __len__(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[-2]
+
+    def reset(self) -> None:
+        """Forget everything: the next call starts a new sequence."""
+        self.keys = self.values = None
+        self.seen = 0
+
+    def update(
+        self, key: Tensor, value: Tensor, *, is_causal: bool = True
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """Append ``key``, ``value`` ``(B, G, n, head_dim)`` of n new tokens.
+
+        Returns every key and value the new queries may see, ``(B, G, S,
+        head_dim)`` with S = stored + n, and the boolean ``(n, S)`` mask of
+        which ones each new query sees. Then keeps the last ``window``.
+        """
+        if self.keys is not None:
+            old = tuple(self.keys.shape)
+            if (key.shape[:2] != self.keys.shape[:2]
+                    or key.shape[-1] != self.keys.shape[-1]):
+                raise ValueError(
+                    f"new keys {tuple(key.shape)} do not fit the cached "
+                    f"keys {old}: (B, G, head_dim) must agree; call reset() "
+                    "to start another sequence"
+                )
+            key = torch.cat([self.keys, key], dim=-2)
+            value = torch.cat([self.values, value], dim=-2)
+        n, S = value.shape[-2] - len(self), value.shape[-2]
+        query_pos = torch.arange(self.seen, self.seen + n, device=key.device)
+        key_pos = torch.arange(self.seen + n - S, self.seen + n,
+                               device=key.device)
+        back = query_pos[:, None] - key_pos[None, :]  # (n, S): steps back
+        visible = (back >= 0) if is_causal else torch.ones_like(back, dtype=torch.bool)
+        if self.window is not None:
+            visible &= back < self.window
+        keep = S if self.window is None else min(S, self.window)
+        self.keys, self.values = key[..., S - keep:, :], value[..., S - keep:, :]
+        self.seen += n
+        return key, value, visible
 
 
 # -------------------------------------------------------------------- plotting
