@@ -1,0 +1,222 @@
+"""Position information for attention: sinusoidal, rotary (RoPE) and ALiBi.
+
+Attention without position is permutation equivariant: shuffle the tokens and
+the outputs are shuffled the same way (chapter "Position"). The functions here
+put order back in the three ways that the book compares.
+
+- ``sinusoidal_encoding``: the fixed table of Vaswani et al. (2017), added to
+  the token vectors.
+- ``rotary_embedding``: rotary position embedding (RoPE, Su et al. 2024),
+  applied to queries and keys; the half-split layout of GPT-NeoX and Hugging
+  Face. ``interleaved_to_half_split`` gives the feature permutation that
+  converts weights written for the interleaved layout (RoFormer, Meta's
+  original Llama code) into it.
+- ``alibi_slopes`` and ``alibi_bias``: attention with linear biases (ALiBi,
+  Press et al. 2022), a float ``attn_mask`` added to the scores.
+
+Shape legend as in ``attention.py``: B batch, H heads, L queries, S keys,
+d the width that is rotated (a head's width).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "sinusoidal_encoding",
+    "rotary_frequencies",
+    "rotary_embedding",
+    "interleaved_to_half_split",
+    "alibi_slopes",
+    "alibi_bias",
+]
+
+
+def _positive_int(name: str, n) -> int:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"{name} must be a positive integer, got {n!r}")
+    return n
+
+
+def _even_width(name: str, d) -> int:
+    _positive_int(name, d)
+    if d % 2:
+        raise ValueError(
+            f"{name} must be even (features are rotated in pairs), got {d}")
+    return d
+
+
+# ------------------------------------------------------------------ sinusoidal
+
+
+def sinusoidal_encoding(
+    num_positions: int, d_model: int, *, base: float = 10000.0,
+    dtype: torch.dtype = torch.float32, device=None,
+) -> Tensor:
+    """The ``(num_positions, d_model)`` table of sinusoidal encodings.
+
+    Row p (0-based position) holds, for i = 0 .. d_model/2 - 1,
+    ``PE[p, 2i] = sin(p / base**(2i/d_model))`` and
+    ``PE[p, 2i+1] = cos(p / base**(2i/d_model))``.
+    Computed in float64 and returned in ``dtype``.
+    """
+    _positive_int("num_positions", num_positions)
+    _even_width("d_model", d_model)
+    p = torch.arange(num_positions, dtype=torch.float64, device=device)
+    two_i = torch.arange(0, d_model, 2, dtype=torch.float64, device=device)
+    angles = p[:, None] / base ** (two_i / d_model)  # (P, d_model/2)
+    table = torch.empty(num_positions, d_model, dtype=torch.float64,
+                        device=device)
+    table[:, 0::2] = torch.sin(angles)
+    table[:, 1::2] = torch.cos(angles)
+    return table.to(dtype)  # (num_positions, d_model)
+
+
+# ---------------------------------------------------------------------- rotary
+
+
+def rotary_frequencies(
+    d: int, *, base: float = 10000.0, dtype: torch.dtype = torch.float64,
+    device=None,
+) -> Tensor:
+    """The ``(d/2,)`` frequencies ``base**(-2i/d)``, i = 0 .. d/2 - 1.
+
+    Pair i of a rotated vector turns by the angle ``p * freq[i]`` at
+    position p: the first pair fastest (one radian per position), the last
+    slowest.
+    """
+    _even_width("d", d)
+    two_i = torch.arange(0, d, 2, dtype=torch.float64, device=device)
+    return (base ** (-two_i / d)).to(dtype)  # (d/2,)
+
+
+def rotary_embedding(
+    x: Tensor, positions: Optional[Tensor] = None, *, base: float = 10000.0
+) -> Tensor:
+    """Rotate the queries or keys ``x`` ``(..., L, d)`` by their positions.
+
+    Half-split layout (GPT-NeoX, Hugging Face's ``rotate_half``): feature i
+    is paired with feature i + d/2. With ``freq[i] = base**(-2i/d)`` and the
+    angle ``a = p * freq[i]`` at position p, the pair
+    ``(x_i, x_{i+d/2})`` becomes
+    ``(x_i cos a - x_{i+d/2} sin a, x_{i+d/2} cos a + x_i sin a)``.
+
+    ``positions``: integer tensor broadcastable to ``x.shape[:-1]``, e.g.
+    ``(L,)`` shared by the batch, or ``(B, 1, L)`` for one row of position
+    ids per sequence of an ``(B, H, L, d)`` input (left padding). Default
+    ``arange(L)``. Returns a tensor of x's shape and dtype; the angles are
+    computed in float64 and the rotation in float32 or wider.
+    """
+    if not isinstance(x, Tensor) or not x.is_floating_point():
+        raise TypeError(
+            "rotary_embedding expects a floating-point tensor (..., L, d), "
+            f"got {type(x).__name__ if not isinstance(x, Tensor) else x.dtype}")
+    if x.dim() < 2:
+        raise ValueError(
+            f"rotary_embedding expects x of shape (..., L, d), got {tuple(x.shape)}")
+    L, d = x.shape[-2], x.shape[-1]
+    if d % 2:
+        raise ValueError(
+            f"rotary_embedding rotates pairs of features: the last dim d of x "
+            f"must be even, got x of shape {tuple(x.shape)}")
+    if positions is None:
+        positions = torch.arange(L, device=x.device)
+    positions = torch.as_tensor(positions, device=x.device)
+    if positions.is_floating_point() or positions.dtype == torch.bool:
+        raise TypeError(
+            f"positions must be an integer tensor, got dtype {positions.dtype}")
+    try:
+        ok = (torch.broadcast_shapes(positions.shape, x.shape[:-1])
+              == x.shape[:-1])
+    except RuntimeError:
+        ok = False
+    if not ok:
+        raise ValueError(
+            f"positions of shape {tuple(positions.shape)} do not broadcast to "
+            f"x.shape[:-1] = {tuple(x.shape[:-1])} of x {tuple(x.shape)}; use "
+            "(L,) for one row of positions, (B, 1, L) for one per sequence")
+    freq = rotary_frequencies(d, base=base, device=x.device)  # (d/2,)
+    angles = positions.to(torch.float64)[..., None] * freq  # (..., L, d/2)
+    work = torch.promote_types(x.dtype, torch.float32)
+    cos = torch.cos(angles).to(work)
+    sin = torch.sin(angles).to(work)
+    x1, x2 = x.to(work)[..., : d // 2], x.to(work)[..., d // 2:]
+    out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    return out.to(x.dtype)  # (..., L, d)
+
+
+def interleaved_to_half_split(head_dim: int, num_heads: int = 1) -> Tensor:
+    """Index ``(num_heads * head_dim,)``: the output feature of an
+    interleaved-layout projection that goes to each half-split position.
+
+    The interleaved layout (RoFormer, Meta's Llama code) rotates the pairs
+    ``(2i, 2i+1)`` of each head, the half-split layout the pairs
+    ``(i, i + head_dim/2)``. Within every head the index is
+    ``[0, 2, 4, ..., head_dim-2, 1, 3, ..., head_dim-1]``: a model whose
+    ``W_Q`` and ``W_K`` (``d_model x d``, row vectors) have their columns
+    taken in this order, ``W[:, index]`` (``weight[index]`` for an
+    ``nn.Linear``), computes the same scores with half-split RoPE as the
+    original with interleaved RoPE.
+    """
+    _even_width("head_dim", head_dim)
+    _positive_int("num_heads", num_heads)
+    one = torch.cat([torch.arange(0, head_dim, 2),
+                     torch.arange(1, head_dim, 2)])  # (head_dim,)
+    offsets = torch.arange(num_heads)[:, None] * head_dim  # (H, 1)
+    return (offsets + one).reshape(-1)  # (num_heads * head_dim,)
+
+
+# ----------------------------------------------------------------------- ALiBi
+
+
+def alibi_slopes(num_heads: int) -> Tensor:
+    """The ``(num_heads,)`` float64 slopes of ALiBi (Press et al., 2022).
+
+    For n heads, n a power of two: the geometric sequence that starts at
+    ``2**(-8/n)`` with that ratio, ``2**(-8/n), 2**(-16/n), ..., 2**(-8)``.
+    Otherwise, with ``c`` the largest power of two below n: the c slopes
+    for c heads, followed by the first ``n - c`` of the odd-numbered
+    (1st, 3rd, 5th, ...) slopes for ``2c`` heads.
+    """
+    _positive_int("num_heads", num_heads)
+
+    def power_of_two(n):
+        return [2.0 ** (-8.0 * (h + 1) / n) for h in range(n)]
+
+    c = 2 ** int(math.floor(math.log2(num_heads)))
+    slopes = power_of_two(c)
+    if c < num_heads:
+        slopes += power_of_two(2 * c)[0::2][: num_heads - c]
+    return torch.tensor(slopes, dtype=torch.float64)  # (H,)
+
+
+def alibi_bias(
+    num_heads: int, L: int, S: Optional[int] = None, *, causal: bool = True,
+    dtype: torch.dtype = torch.float32, device=None,
+) -> Tensor:
+    """The ``(num_heads, L, S)`` ALiBi bias, added to the scores.
+
+    Query i sits at position i and key j at position j (0-based, top-left,
+    as ``attention.causal_mask``). On and below the diagonal (j <= i) the
+    bias of head h is ``-slope[h] * (i - j)``: 0 for the query's own
+    position, more negative the further back the key. Above the diagonal
+    (j > i), ``causal=True`` (the paper's decoder setting) gives ``-inf``,
+    so the bias is also the causal mask; ``causal=False`` gives
+    ``-slope[h] * (j - i)``, the symmetric distance some encoders use.
+    Pass it as a float ``attn_mask``; it broadcasts over the batch.
+    """
+    S = L if S is None else S
+    _positive_int("L", L)
+    _positive_int("S", S)
+    slopes = alibi_slopes(num_heads).to(device)  # (H,)
+    i = torch.arange(L, device=device)[:, None]  # (L, 1)
+    j = torch.arange(S, device=device)[None, :]  # (1, S)
+    distance = (i - j).to(torch.float64)  # (L, S)
+    bias = -slopes[:, None, None] * distance.abs()  # (H, L, S)
+    if causal:
+        bias = bias.masked_fill(j > i, float("-inf"))
+    return bias.to(dtype)  # (H, L, S)
