@@ -34,7 +34,7 @@ PLAIN_FENCE = re.compile(r"^(`{3,}|~{3,})")
 ROLE = re.compile(r"\{([\w:-]+)\}`([^`]*)`")
 PROOF_TITLES = {"prf:definition": "Definition", "prf:lemma": "Lemma", "prf:theorem": "Theorem",
                 "prf:proposition": "Proposition", "prf:corollary": "Corollary",
-                "prf:remark": "Remark"}
+                "prf:remark": "Remark", "prf:algorithm": "Algorithm"}
 ADMONITIONS = {"note": "Note", "tip": "Tip", "warning": "Warning"}
 WALL_CLOCK_TEXT = "(measured when the notebook runs: see the output above)"
 
@@ -389,10 +389,11 @@ def convert(md_path: Path, env, docname: str, glue: dict, executed=None):
 
 
 def made_from(md_path: Path, srcdir: Path) -> dict[str, str]:
-    """{path: sha256} of the chapter source and the module its numbers come from."""
+    """{path: sha256} of the chapter source and the book's code its numbers come from."""
     import hashlib
+    code = sorted((srcdir / "code").glob("*.py"))
     return {str(path.relative_to(srcdir)): hashlib.sha256(path.read_bytes()).hexdigest()
-            for path in (md_path, srcdir / "code" / "attention.py", srcdir / "code" / "checks.py")}
+            for path in (md_path, *code)}
 
 
 def strip_outputs(notebook):

@@ -1199,7 +1199,7 @@ def _(split_heads, merge_heads):
 
 check_grouped_query_attention = Check(
     "check_grouped_query_attention",
-    forbidden=("torch.nn.functional.scaled_dot_product_attention",))
+    forbidden=("torch.nn.functional.scaled_dot_product_attention", "attention.repeat_kv"))
 
 _GQA_HEADS = {"grouped": ((4, 2), (6, 3), (8, 2)), "multi-query": ((4, 1),),
               "multi-head": ((4, 4),)}  # (H, G)
@@ -1418,6 +1418,474 @@ def _(fn):
 @check_cross_attention.case("large inputs, padded")
 def _(fn):
     _cross_values(fn, "large inputs")
+
+
+# === Chapter 8: rope_interleaved(x, positions) -> rotated x
+
+check_rope_interleaved = Check(
+    "check_rope_interleaved",
+    forbidden=("position.rotary_embedding",))
+
+
+def _rope_by_loops(x, positions, layout="interleaved", exponent=2, sign=1, swap=False):
+    """x rotated pair by pair, in float64: pairs (2i, 2i+1) ("interleaved") or (i, i + d/2)
+    ("half"), angle sign * p * 10000**(-exponent*i/d), cos and sin exchanged if swap."""
+    d = x.shape[-1]
+    pos = torch.as_tensor(positions).expand(x.shape[:-1]).reshape(-1)
+    rows = x.detach().to(torch.float64).reshape(-1, d)
+    out = torch.zeros_like(rows)
+    for r in range(rows.shape[0]):
+        p = int(pos[r])
+        for i in range(d // 2):
+            a, b = (2 * i, 2 * i + 1) if layout == "interleaved" else (i, i + d // 2)
+            angle = sign * p * 10000.0 ** (-exponent * i / d)
+            c, s = math.cos(angle), math.sin(angle)
+            if swap:
+                c, s = s, c
+            u, v = float(rows[r, a]), float(rows[r, b])
+            out[r, a] = u * c - v * s
+            out[r, b] = v * c + u * s
+    return out.reshape(x.shape)
+
+
+def _rope_inputs():
+    """{name: (where, x, positions)}."""
+    g = torch.Generator().manual_seed(8)
+    shifted = torch.tensor([[0, 1, 2, 3, 4], [0, 0, 0, 1, 2]])  # (B, L): 2 left pads
+    return {
+        "one sequence": ("x (6, 8), positions arange(6)",
+                         torch.randn(6, 8, generator=g, dtype=torch.float64), torch.arange(6)),
+        "heads and positions per sequence": (
+            "x (B, H, L, d) = (2, 3, 5, 4), positions (B, 1, L) = (2, 1, 5)",
+            torch.randn(2, 3, 5, 4, generator=g, dtype=torch.float64), shifted[:, None, :]),
+        "far positions": ("x (4, 16), positions 1000, 2000, 3000, 4000",
+                          torch.randn(4, 16, generator=g, dtype=torch.float64),
+                          torch.tensor([1000, 2000, 3000, 4000]))}
+
+
+def _rope_call(fn, where, x, positions):
+    got = fn(x.clone(), positions)
+    assert isinstance(got, torch.Tensor), f"{where}: expected a tensor, got {type(got).__name__}"
+    assert tuple(got.shape) == tuple(x.shape), (
+        f"{where}: expected the shape of x, {tuple(x.shape)}, got {tuple(got.shape)}")
+    return got
+
+
+def _rope_values(fn, name):
+    where, x, positions = _rope_inputs()[name]
+    got = _rope_call(fn, where, x, positions).to(torch.float64)
+    want = _rope_by_loops(x, positions)
+    close = lambda a, b: torch.allclose(a, b, rtol=1e-6, atol=1e-6)  # noqa: E731
+    if close(got, want):
+        return
+    mistakes = [
+        (dict(layout="half"), "the pairs are (i, i + d/2), the half-split layout of GPT-NeoX and "
+         "Hugging Face; the interleaved layout pairs neighbours (2i, 2i+1)"),
+        (dict(exponent=1), "the frequencies are 10000**(-i/d); use 10000**(-2i/d), with i the "
+         "index of the pair"),
+        (dict(swap=True), "cos and sin are swapped: the first entry of a pair becomes "
+         "x_a cos - x_b sin"),
+        (dict(sign=-1), "the rotation goes the wrong way (by -angle): the pair (x_a, x_b) becomes "
+         "(x_a cos - x_b sin, x_b cos + x_a sin)"),
+    ]
+    if name != "one sequence":
+        mistakes.append((dict(positions=torch.arange(x.shape[-2])),
+                         "the positions given are ignored (arange(L) is used): each sequence's "
+                         "own position ids must be used, broadcast over the heads"))
+    for change, message in mistakes:
+        wrong = _rope_by_loops(x, change.pop("positions", positions), **change)
+        if close(got, wrong):
+            raise AssertionError(f"{where}: {message}")
+    err = float((got - want).abs().max())
+    hint = ("; are the angles computed in float32? p * frequency must be computed in x's dtype "
+            "(float64 here) to stay accurate at large p" if name == "far positions" else "")
+    raise AssertionError(
+        f"{where}: output differs from the rotation by loops by up to {err:.3g}{hint}")
+
+
+@check_rope_interleaved.case("shape and dtype")
+def _(fn):
+    x = torch.randn(3, 5, 6, generator=torch.Generator().manual_seed(1))  # float32
+    got = _rope_call(fn, "x (3, 5, 6) float32, positions arange(5)", x, torch.arange(5))
+    assert got.dtype == torch.float32, (
+        f"x (3, 5, 6) float32: the result must keep x's dtype, float32, got {got.dtype}")
+    assert torch.isfinite(got).all(), "x (3, 5, 6) float32: NaN or inf in the output"
+
+
+@check_rope_interleaved.case("one sequence", 2)
+def _(fn):
+    _rope_values(fn, "one sequence")
+
+
+@check_rope_interleaved.case("heads and positions per sequence", 2)
+def _(fn):
+    _rope_values(fn, "heads and positions per sequence")
+
+
+@check_rope_interleaved.case("far positions")
+def _(fn):
+    _rope_values(fn, "far positions")
+
+
+# === Chapter 9: cached_attention(k_cache, v_cache, q, k, v) -> (y, k_cache, v_cache)
+
+check_cached_attention = Check(
+    "check_cached_attention",
+    forbidden=("attention.scaled_dot_product_attention",
+               "torch.nn.functional.scaled_dot_product_attention",
+               "attention.MultiHeadAttention", "attention.KVCache",
+               "torch.nn.MultiheadAttention",
+               "torch.nn.attention.bias.causal_lower_right"))
+
+_CACHED_CASES = {  # name: (B, S cached, n new, T in all, d_k, d_v)
+    "one new token, empty cache": (2, 0, 1, 1, 4, 3),
+    "one new token after 5 cached": (2, 5, 1, 6, 4, 3),
+    "a chunk of 3 new tokens after 4 cached": (2, 4, 3, 7, 4, 3),
+    "a sequence, prompt of 3 then one token at a time": (2, 3, 1, 8, 4, 3),
+}
+
+
+def _cached_sequence(name):
+    """q, k (B, T, d_k), v (B, T, d_v) of a whole sequence for the case `name`."""
+    B, S, n, T, d_k, d_v = _CACHED_CASES[name]
+    g = torch.Generator().manual_seed(90 + S + 10 * n)
+    q, k = (torch.randn(B, T, d_k, generator=g) for _ in range(2))
+    v = torch.randn(B, T, d_v, generator=g)
+    return q, k, v
+
+
+def _cached_inputs(name):
+    """(where, (k_cache, v_cache, q_new, k_new, v_new)) for the case `name`."""
+    B, S, n, T, d_k, d_v = _CACHED_CASES[name]
+    q, k, v = _cached_sequence(name)
+    where = f"S={S} cached, n={n} new, d_k={d_k}, d_v={d_v}"
+    return where, (k[:, :S], v[:, :S], q[:, S:S + n], k[:, S:S + n], v[:, S:S + n])
+
+
+def _cached_call(fn, where, inputs, caches=True):
+    """fn(*inputs), checked for type and shapes: (y, k_cache, v_cache); the caches' shapes
+    only if `caches`."""
+    k_cache, v_cache, q, k, v = inputs
+    B, S, d_k = k_cache.shape
+    n, d_v = q.shape[1], v.shape[-1]
+    try:
+        got = fn(*(t.clone() for t in inputs))
+    except (RuntimeError, ValueError, IndexError) as err:
+        raise AssertionError(
+            f"{where}: {fn.__name__} raised {err!r}; the caches are (B, S, d), the new "
+            "tokens (B, n, d): append along the sequence axis, dim 1") from None
+    assert isinstance(got, tuple) and len(got) == 3, (
+        f"{where}: expected a tuple (y, k_cache, v_cache), got {type(got).__name__}")
+    for part, want in zip(("y", "k_cache", "v_cache"),
+                          ((B, n, d_v), (B, S + n, d_k), (B, S + n, d_v))):
+        t = got[("y", "k_cache", "v_cache").index(part)]
+        assert isinstance(t, torch.Tensor), (
+            f"{where}: {part} should be a tensor, got {type(t).__name__}")
+        if part != "y" and caches and tuple(t.shape) != want:
+            if tuple(t.shape) == (B, S, want[2]):
+                raise AssertionError(
+                    f"{where}: {part} has shape {tuple(t.shape)}, the old cache; return "
+                    f"the cache with the n new rows appended, {want}")
+            raise AssertionError(
+                f"{where}: {part} has shape {tuple(t.shape)}, expected {want}: the cache "
+                "grows along the sequence axis (dim 1), by the n new positions")
+        if part == "y" and tuple(t.shape) != want:
+            raise AssertionError(
+                f"{where}: y has shape {tuple(t.shape)}, expected (B, n, d_v) = {want}: "
+                "one output row per new token")
+    return got
+
+
+def _cached_mistakes(S, n, d_k, d_v):
+    """(visible (n, S + n) or None, scale, message) for the usual mistakes."""
+    j = torch.arange(S + n)[None, :]
+    r = torch.arange(n)[:, None]
+    return [
+        (j <= r, d_k ** -0.5,
+         "the causal mask is aligned to the top left (tril() of an n x (S + n) matrix, "
+         "or is_causal=True): new query r is position S + r and must see keys 0..S + r, "
+         "the bottom-right alignment"),
+        (j < S + r, d_k ** -0.5,
+         "a new token does not see its own key: append the new keys and values to the "
+         "cache before attending (query r, position S + r, sees keys 0..S + r, itself "
+         "included)"),
+        (j < S, d_k ** -0.5,
+         "the new tokens see only the cached keys: append the new keys and values before "
+         "attending, so that query r sees keys 0..S + r, its own and the earlier new ones "
+         "included"),
+        (None, d_k ** -0.5,
+         "no causal mask among the new tokens: a new token sees the keys of new tokens "
+         "after it; query r may see keys 0..S + r only"),
+        (j <= S + r, 1.0, "the scores are not divided by sqrt(d_k)"),
+        (j <= S + r, 1 / d_k, "the scores are divided by d_k; divide by sqrt(d_k)"),
+        (j <= S + r, d_v ** -0.5,
+         "the scores are divided by sqrt(d_v), the width of the values; divide by "
+         "sqrt(d_k), the width of the queries and keys"),
+    ]
+
+
+def _cached_values(fn, name):
+    """Compare y with the rows of full causal attention over the whole sequence; if it
+    differs, name the mistake whose result it reproduces."""
+    from attention import scaled_dot_product_attention as sdpa
+    B, S, n, T, d_k, d_v = _CACHED_CASES[name]
+    where, inputs = _cached_inputs(name)
+    y = _cached_call(fn, where, inputs, caches=False)[0]
+    q, k, v = _cached_sequence(name)
+    want = sdpa(q, k, v, is_causal=True)[0][:, S:S + n]  # (B, n, d_v), rows of the full
+    close = functools.partial(torch.allclose, rtol=1e-4, atol=1e-5)
+    if close(y, want):
+        return
+    keys, values = k[:, :S + n], v[:, :S + n]
+    zeroed = y.nan_to_num(0.0, 0.0, 0.0)
+    for visible, scale, message in _cached_mistakes(S, n, d_k, d_v):
+        wrong = sdpa(q[:, S:S + n], keys, values, attn_mask=visible, scale=scale)[0]
+        if close(zeroed, wrong.nan_to_num(0.0)) and not close(wrong, want):
+            raise AssertionError(f"{where}: {message}")
+    assert torch.isfinite(y).all(), f"{where}: NaN or inf in y"
+    err = float((y - want).abs().max())
+    raise AssertionError(f"{where}: y differs from causal attention over all S + n "
+                         f"positions by up to {err:.3g}")
+
+
+@check_cached_attention.case("one new token, empty cache")
+def _(fn):
+    _cached_values(fn, "one new token, empty cache")
+
+
+@check_cached_attention.case("one new token after 5 cached")
+def _(fn):
+    _cached_values(fn, "one new token after 5 cached")
+
+
+@check_cached_attention.case("a chunk of 3 new tokens after 4 cached", 2)
+def _(fn):
+    _cached_values(fn, "a chunk of 3 new tokens after 4 cached")
+
+
+@check_cached_attention.case("the returned caches")
+def _(fn):
+    for name in ("one new token, empty cache", "a chunk of 3 new tokens after 4 cached"):
+        where, inputs = _cached_inputs(name)
+        _, k_out, v_out = _cached_call(fn, where, inputs)
+        k_cache, v_cache, _, k, v = inputs
+        for part, got, old, new in (("k_cache", k_out, k_cache, k),
+                                    ("v_cache", v_out, v_cache, v)):
+            if torch.equal(got, torch.cat([old, new], dim=1)):
+                continue
+            if torch.equal(got, torch.cat([new, old], dim=1)):
+                raise AssertionError(
+                    f"{where}: {part} has the new rows first; they are the newest "
+                    "positions and go after the cached ones")
+            raise AssertionError(
+                f"{where}: {part} should be the old cache with the new rows appended "
+                "along dim 1, unchanged")
+
+
+@check_cached_attention.case("a sequence, prompt of 3 then one token at a time")
+def _(fn):
+    from attention import scaled_dot_product_attention as sdpa
+    name = "a sequence, prompt of 3 then one token at a time"
+    B, S, n, T, d_k, d_v = _CACHED_CASES[name]
+    q, k, v = _cached_sequence(name)
+    want = sdpa(q, k, v, is_causal=True)[0]  # (B, T, d_v)
+    k_cache, v_cache = k[:, :0], v[:, :0]
+    start, rows = 0, []
+    for size in [S] + [1] * (T - S):
+        where = f"decoding T={T}: prompt of {S}, then one token; step at position {start}"
+        y, k_cache, v_cache = _cached_call(
+            fn, where, (k_cache, v_cache, q[:, start:start + size],
+                        k[:, start:start + size], v[:, start:start + size]))
+        rows.append(y)
+        start += size
+        got = torch.cat(rows, dim=1)
+        if not torch.allclose(got, want[:, :start], rtol=1e-4, atol=1e-5):
+            _cached_values(fn, "a chunk of 3 new tokens after 4 cached")  # names a mistake
+            raise AssertionError(
+                f"{where}: the outputs differ from causal attention over the whole "
+                "sequence; check the caches you return, which the next step receives")
+
+
+# === Chapter 10: merge_partials(m1, ell1, y1, m2, ell2, y2) -> (m, ell, y)
+
+check_merge_partials = Check(
+    "check_merge_partials",
+    forbidden=("torch.logsumexp", "torch.Tensor.logsumexp", "torch.logaddexp",
+               "torch.Tensor.logaddexp", "torch.softmax", "torch.nn.functional.softmax",
+               "torch.Tensor.softmax", "attention.softmax"))
+
+
+def _partial(z: torch.Tensor, v: torch.Tensor):
+    """The partial result of one block of keys, by its definition: z (..., L, c) scores of the
+    block (-inf = not visible), v (..., c, Ev) its values -> m (..., L) the largest score,
+    ell (..., L) the sum of exp(z - m), y (..., L, Ev) the sum of exp(z - m) * v. A row that
+    sees no key of the block has m = -inf, ell = 0, y = 0."""
+    m = z.amax(dim=-1) if z.shape[-1] else z.new_full(z.shape[:-1], float("-inf"))
+    shift = torch.where(m.isfinite(), m, torch.zeros_like(m))
+    e = torch.exp(z - shift[..., None])  # (..., L, c), 0 where z = -inf
+    return m, e.sum(dim=-1), e @ v
+
+
+def _merge_inputs(name: str):
+    """(where, z, v, split): scores z (..., L, S) and values v (..., S, Ev) of a case, and the
+    index where the keys split into block 1 and block 2."""
+    g = torch.Generator().manual_seed(10)
+    if name == "two blocks":  # moderate scores, a batch axis, L != Ev
+        z = 2 * torch.randn(2, 5, 7, generator=g, dtype=torch.float64)
+        return "scores (2, 5, 7), keys 0-3 | 4-6", z, torch.randn(2, 7, 3, generator=g,
+                                                                  dtype=torch.float64), 4
+    if name == "large scores":  # block 2 in the thousands: exp of a score overflows
+        z = torch.randn(4, 6, generator=g, dtype=torch.float64)
+        z[:, 3:] += 1000.0
+        z[1:3, :3] += 2000.0  # rows 1 and 2: block 1 is the larger
+        return "scores (4, 6) near 1000 and 2000, keys 0-2 | 3-5", z, torch.randn(
+            6, 2, generator=g, dtype=torch.float64), 3
+    # "empty blocks": row 0 sees only block 2, row 1 only block 1, row 2 nothing at all
+    z = torch.randn(3, 5, generator=g, dtype=torch.float64)
+    z[0, :2] = z[1, 2:] = z[2, :] = float("-inf")
+    return ("scores (3, 5), keys 0-1 | 2-4; row 0 sees only block 2, row 1 only block 1, "
+            "row 2 no key"), z, torch.randn(5, 4, generator=g, dtype=torch.float64), 2
+
+
+def _merge_call(fn, where, part1, part2):
+    """fn(*part1, *part2), checked for type and shapes."""
+    try:
+        got = fn(*part1, *part2)
+    except RuntimeError as err:
+        raise AssertionError(
+            f"{where}: {fn.__name__} raised {err!r}. m and ell are (..., L), one number per "
+            "query row, and y is (..., L, Ev): to scale the rows of y by a factor of shape "
+            "(..., L), index it as factor[..., None]") from None
+    assert isinstance(got, tuple) and len(got) == 3, (
+        f"{where}: return a tuple (m, ell, y), got {type(got).__name__}")
+    for label, t, like in zip(("m", "ell", "y"), got, part1):
+        assert isinstance(t, torch.Tensor), f"{where}: {label} must be a tensor"
+        assert t.shape == like.shape, (
+            f"{where}: {label} must have shape {tuple(like.shape)}, as {label}1 has; got "
+            f"{tuple(t.shape)}")
+    return got
+
+
+def _merge_values(fn, name: str):
+    """Merge the partial results of the two blocks of a case and compare with the partial
+    result of all the keys at once; if they differ, name the mistake."""
+    where, z, v, split = _merge_inputs(name)
+    part1 = _partial(z[..., :split], v[..., :split, :])
+    part2 = _partial(z[..., split:], v[..., split:, :])
+    m, ell, y = _merge_call(fn, where, part1, part2)
+    want_m, want_ell, want_y = _partial(z, v)
+    close = functools.partial(torch.allclose, rtol=1e-9, atol=1e-12, equal_nan=True)
+    (m1, ell1, y1), (m2, ell2, y2) = part1, part2
+    bad = m.isnan() | ell.isnan() | y.isnan().any(dim=-1)  # (..., L)
+    if (bad & (want_m == float("-inf"))).any():
+        rows = (bad & (want_m == float("-inf"))).nonzero()[:, -1].tolist()
+        raise AssertionError(
+            f"{where}: NaN in rows {rows} (0-based), which see no key in either block. A "
+            "block that a row does not see has m = -inf, ell = 0, y = 0, and "
+            "exp(-inf - (-inf)) is NaN: where the new maximum is -inf, shift by 0 instead")
+    if bad.any():
+        raise AssertionError(
+            f"{where}: NaN or inf in the result (inf / inf, or inf * 0). Only differences of "
+            "scores may be exponentiated, and only ones <= 0: rescale each block by "
+            "exp(its maximum - the new maximum), never by exp(a maximum) alone")
+    if not close(m, want_m):
+        assert not close(m, m2), (
+            f"{where}: m is the second block's maximum m2; the merged maximum is the larger "
+            "of m1 and m2")
+        assert not close(m, m1), (
+            f"{where}: m is the first block's maximum m1; the merged maximum is the larger "
+            "of m1 and m2")
+        raise AssertionError(f"{where}: m must be the largest score of both blocks, "
+                             "torch.maximum(m1, m2)")
+    if not (ell.isfinite().all() and y.isfinite().all()):
+        raise AssertionError(
+            f"{where}: inf in ell or y. Only differences of scores may be exponentiated, and "
+            "only ones <= 0: rescale each block by exp(its maximum - the new maximum), never "
+            "by exp(a maximum) alone or by exp(new maximum - old maximum)")
+    m_safe = torch.where(m.isfinite(), m, torch.zeros_like(m))
+    f1 = torch.exp(m1 - m_safe)  # the factors that bring each block to the new maximum
+    f2 = torch.exp(m2 - m_safe)
+    if not close(ell, want_ell):
+        mistakes = [
+            (ell1 + ell2, "the running sums are added without rescaling: each block's ell is "
+             "relative to its own maximum, so bring both to the new maximum first"),
+            (ell1 / f1 + ell2 / f2, "the sums are rescaled by exp(new max - old max), the "
+             "inverse of the right factor exp(old max - new max)"),
+            (ell1 * torch.exp(m1 - m2) + ell2, "both sums are rescaled to the second block's "
+             "maximum m2, not to the new maximum max(m1, m2): right only where m2 >= m1"),
+            (ell1 * f1 + ell2, "only the first block's sum is rescaled; the second block's "
+             "ell2 is relative to m2 and needs exp(m2 - m) too"),
+        ]
+        for wrong, message in mistakes:
+            if close(ell, wrong):
+                raise AssertionError(f"{where}: {message}")
+        err = float((ell - want_ell).abs().max())
+        raise AssertionError(f"{where}: ell differs from the sum of exp(score - m) over both "
+                             f"blocks by up to {err:.3g}")
+    if not close(y, want_y):
+        g1, g2 = f1[..., None], f2[..., None]
+        mistakes = [
+            (y1 + y2, "ell is rescaled but y is not: the unnormalised outputs need the same "
+             "factors as the sums"),
+            (y1 / g1 + y2 / g2, "y is rescaled by exp(new max - old max), the inverse of the "
+             "right factor"),
+            (want_y / want_ell[..., None], "y is divided by ell: keep it unnormalised while "
+             "merging, and divide by ell once, after the last block"),
+            (y1 * g1 + y2, "only the first block's y is rescaled; y2 is relative to m2 and "
+             "needs exp(m2 - m) too"),
+            ((y1 * g1 + y2 * g2) / 2, "the two rescaled outputs are averaged; add them: "
+             "the weights come from ell, at the end"),
+        ]
+        for wrong, message in mistakes:
+            if close(y, wrong):
+                raise AssertionError(f"{where}: {message}")
+        err = float((y - want_y).abs().max())
+        raise AssertionError(f"{where}: y differs from the sum of exp(score - m) * value over "
+                             f"both blocks by up to {err:.3g}")
+
+
+@check_merge_partials.case("shapes", 1)
+def _(fn):
+    for name in ("two blocks", "large scores", "empty blocks"):
+        where, z, v, split = _merge_inputs(name)
+        _merge_call(fn, where, _partial(z[..., :split], v[..., :split, :]),
+                    _partial(z[..., split:], v[..., split:, :]))
+
+
+@check_merge_partials.case("two blocks", 2)
+def _(fn):
+    _merge_values(fn, "two blocks")
+
+
+@check_merge_partials.case("large scores", 1)
+def _(fn):
+    _merge_values(fn, "large scores")
+
+
+@check_merge_partials.case("empty blocks", 1)
+def _(fn):
+    _merge_values(fn, "empty blocks")
+
+
+@check_merge_partials.case("many blocks, folded", 1)
+def _(fn):
+    from attention import scaled_dot_product_attention as sdpa
+    g = torch.Generator().manual_seed(11)
+    q = 3 * torch.randn(6, 4, generator=g, dtype=torch.float64)  # (L, E)
+    k = torch.randn(23, 4, generator=g, dtype=torch.float64)  # (S, E)
+    v = torch.randn(23, 5, generator=g, dtype=torch.float64)  # (S, Ev)
+    z = q @ k.T / 2.0  # (L, S), scale 1/sqrt(E)
+    state = (torch.full((6,), float("-inf"), dtype=torch.float64),
+             torch.zeros(6, dtype=torch.float64), torch.zeros(6, 5, dtype=torch.float64))
+    where = "six queries, 23 keys in blocks of 4 (the last of 3), from the empty state"
+    for j0 in range(0, 23, 4):
+        state = _merge_call(fn, where, state, _partial(z[:, j0:j0 + 4], v[j0:j0 + 4]))
+    m, ell, y = state
+    want, _ = sdpa(q, k, v)  # (L, Ev)
+    got = y / ell[:, None]
+    assert torch.allclose(got, want, rtol=1e-9, atol=1e-12), (
+        f"{where}: y / ell after the last block differs from attention's output by up to "
+        f"{float((got - want).abs().max()):.3g}")
 
 
 # === end of the chapters' checks

@@ -50,7 +50,8 @@ class TestChapter:
         text = path.read_text()
         assert "from attention import" in text
         for name in ("scaled_dot_product_attention", "causal_mask", "padding_mask",
-                     "MultiHeadAttention", "KVCache", "repeat_kv", "plot_attention"):
+                     "MultiHeadAttention", "KVCache", "repeat_kv", "plot_attention",
+                     "sinusoidal_encoding", "rotary_embedding", "alibi_bias", "flash_attention"):
             assert not re.search(rf"^\s*(def|class) {name}\b", text, re.M), (
                 f"{path.name} defines its own {name}; import it from code/attention.py"
             )

@@ -57,6 +57,14 @@ class TestChapterNotebook:
                 assert not MYST.search(cell.source), cell.source[:300]
 
 
+def test_code_files_are_every_file_of_code():
+    # The setup cell fetches CODE_FILES by name in Colab: a file of code/ missing from the list
+    # would import in the book and fail alone.
+    on_disk = {p.name for p in (classroom.ROOT / "code").glob("*.py")}
+    assert set(classroom.CODE_FILES) == on_disk
+    assert classroom.CODE_FILES[0] == "attention.py" and classroom.CODE_FILES[-1] == "checks.py"
+
+
 def test_setup_cell_fetches_from_the_configured_repository():
     repo = classroom.repository()
     assert repo["raw"].startswith(f"https://raw.githubusercontent.com/{repo['org']}/{repo['repo']}/")
@@ -89,8 +97,9 @@ def test_binder_pins_cpu_torch_at_the_books_versions():
         assert re.search(rf"^{name}=={re.escape(pins[name])}$", binder, re.M), name
     # Nothing else: everything the chapters import must be torch, numpy, matplotlib, IPython
     # (which Binder's Jupyter brings), the standard library, attention or myst_nb (stood in for
-    # by the setup cell), and the book's code, attention and checks.
-    allowed = {"torch", "numpy", "matplotlib", "IPython", "attention", "checks", "myst_nb"}
+    # by the setup cell), and the book's code (classroom.CODE_FILES).
+    allowed = {"torch", "numpy", "matplotlib", "IPython", "myst_nb",
+               *(name.removesuffix(".py") for name in classroom.CODE_FILES)}
     stdlib = set(sys.stdlib_module_names)
     for path in MD:
         code = "\n".join(c.source for c in jupytext.read(path).cells if c.cell_type == "code")

@@ -33,6 +33,8 @@ import torch.nn.functional as F
 
 import attention
 import checks
+import flash
+import position
 from attention import causal_mask, padding_mask, scaled_dot_product_attention, softmax
 from classroom import numbered_chapters, stub_code
 
@@ -42,7 +44,8 @@ NOT_WRITTEN = "{} is not written yet: replace `raise NotImplementedError()` with
 
 # What a solution cell may use without importing it: the chapters' own imports.
 SOLUTION_GLOBALS = {"torch": torch, "math": math, "F": F,
-                    **{name: getattr(attention, name) for name in attention.__all__}}
+                    **{name: getattr(module, name) for module in (attention, position, flash)
+                       for name in module.__all__}}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1156,6 +1159,13 @@ def gqa_torch_enable_gqa(q, k, v):
     return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
 
 
+@shortcut(CG, "attention.repeat_kv")
+def gqa_module_repeat_kv(q, k, v):
+    H, G = q.shape[1], k.shape[1]
+    return scaled_dot_product_attention(q, attention.repeat_kv(k, H // G),
+                                        attention.repeat_kv(v, H // G))[0]
+
+
 @wrong(CG, "expected a tensor, got tuple", earns="nothing")
 def gqa_returns_both(q, k, v):
     H, G = q.shape[1], k.shape[1]
@@ -1383,6 +1393,413 @@ def cross_broadcast_sums(x_dec, x_enc, w_q, w_k, w_v, enc_lengths=None):
         scores = scores.masked_fill(pad, float("-inf"))
     return (softmax(scores).unsqueeze(-1) * v.unsqueeze(1)).sum(2)
 
+
+
+# --- chapter 8: check_rope_interleaved(fn), fn(x, positions) -> rotated x --------------------
+
+C8 = "check_rope_interleaved"
+
+
+def _angles(x, positions, exponent=2.0, sign=1.0):
+    """(..., L, d/2) angles sign * p * 10000**(-exponent*i/d), in x's dtype."""
+    d = x.shape[-1]
+    i = torch.arange(d // 2, dtype=x.dtype)
+    freq = 10000.0 ** (-exponent * i / d)
+    return sign * positions.to(x.dtype)[..., None] * freq
+
+
+def _pairs(x, angles, swap=False, layout="interleaved"):
+    """Rotate the pairs of x by angles, with one thing changed, for the wrong answers."""
+    cos, sin = angles.cos(), angles.sin()
+    if swap:
+        cos, sin = sin, cos
+    if layout == "interleaved":
+        a, b = x[..., 0::2], x[..., 1::2]
+        out = torch.empty_like(x)
+        out[..., 0::2] = a * cos - b * sin
+        out[..., 1::2] = b * cos + a * sin
+        return out
+    h = x.shape[-1] // 2
+    a, b = x[..., :h], x[..., h:]
+    return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
+
+
+@wrong(C8, "the half-split layout")
+def rope_half_split(x, positions):
+    return _pairs(x, _angles(x, positions), layout="half")
+
+
+@wrong(C8, "the frequencies are 10000**(-i/d)")
+def rope_freq_i_over_d(x, positions):
+    return _pairs(x, _angles(x, positions, exponent=1.0))
+
+
+@wrong(C8, "cos and sin are swapped")
+def rope_sin_cos_swapped(x, positions):
+    return _pairs(x, _angles(x, positions), swap=True)
+
+
+@wrong(C8, "the rotation goes the wrong way")
+def rope_clockwise(x, positions):
+    return _pairs(x, _angles(x, positions, sign=-1.0))
+
+
+@wrong(C8, "the positions given are ignored")
+def rope_ignores_positions(x, positions):
+    return _pairs(x, _angles(x, torch.arange(x.shape[-2])))
+
+
+@wrong(C8, "are the angles computed in float32")
+def rope_float32_angles(x, positions):
+    d = x.shape[-1]
+    freq = 10000.0 ** (-torch.arange(0, d, 2) / d)  # float32
+    angles = positions[..., None] * freq  # float32, even for float64 x
+    return _pairs(x, angles.to(x.dtype))
+
+
+@wrong(C8, "the result must keep x's dtype")
+def rope_returns_float64(x, positions):
+    x = x.double()
+    return _pairs(x, _angles(x, positions))
+
+
+@wrong(C8, "expected the shape of x", earns="nothing")
+def rope_flattens_pairs(x, positions):
+    out = _pairs(x, _angles(x, positions))
+    return out.reshape(*out.shape[:-1], -1, 2)  # (..., L, d/2, 2): pairs left unflattened
+
+
+@shortcut(C8, "position.rotary_embedding")
+def rope_through_the_module(x, positions):
+    from position import interleaved_to_half_split, rotary_embedding
+    perm = interleaved_to_half_split(x.shape[-1])
+    out = torch.empty_like(x)
+    out[..., perm] = rotary_embedding(x[..., perm], positions)
+    return out
+
+
+@right(C8)
+def rope_complex(x, positions):
+    """Meta's Llama style: pairs as complex numbers, times e^(i angle)."""
+    d = x.shape[-1]
+    freq = 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    angles = positions.to(torch.float64)[..., None] * freq  # (..., L, d/2)
+    z = torch.view_as_complex(x.double().reshape(*x.shape[:-1], d // 2, 2).contiguous())
+    out = torch.view_as_real(z * torch.polar(torch.ones_like(angles), angles))
+    return out.reshape(x.shape).to(x.dtype)
+
+
+@right(C8)
+def rope_matrix(x, positions):
+    """A block-diagonal rotation matrix per position, applied to row vectors."""
+    d = x.shape[-1]
+    angles = _angles(x, positions)  # (..., L, d/2)
+    c, s = angles.cos(), angles.sin()
+    R = torch.zeros(*angles.shape[:-1], d, d, dtype=x.dtype)
+    for i in range(d // 2):
+        R[..., 2 * i, 2 * i], R[..., 2 * i, 2 * i + 1] = c[..., i], s[..., i]
+        R[..., 2 * i + 1, 2 * i], R[..., 2 * i + 1, 2 * i + 1] = -s[..., i], c[..., i]
+    return (x[..., None, :] @ R)[..., 0, :]  # row vector times R
+
+
+# --- chapter 9: check_cached_attention(fn), fn(k_cache, v_cache, q, k, v) -> (y, k, v) ----
+
+C9 = "check_cached_attention"
+
+
+def _masked_attention(q, keys, values, sees, scale=None):
+    """Attention of q (B, n, d_k) over keys (B, S, d_k), values (B, S, d_v) with a boolean
+    (n, S) mask, by tensor operations: for the wrong answers that make another mistake."""
+    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scores = (q @ keys.transpose(-2, -1) * scale).masked_fill(~sees, float("-inf"))
+    return softmax(scores, dim=-1) @ values
+
+
+@wrong(C9, "aligned to the top left")
+def cached_top_left(k_cache, v_cache, q, k, v):
+    n = q.shape[1]
+    k_cache, v_cache = torch.cat([k_cache, k], 1), torch.cat([v_cache, v], 1)
+    sees = torch.ones(n, k_cache.shape[1], dtype=torch.bool).tril()  # top left
+    return _masked_attention(q, k_cache, v_cache, sees), k_cache, v_cache
+
+
+@wrong(C9, "a new token does not see its own key")
+def cached_attend_then_append(k_cache, v_cache, q, k, v):
+    scores = q @ k_cache.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    y = torch.softmax(scores, dim=-1) @ v_cache
+    return y, torch.cat([k_cache, k], 1), torch.cat([v_cache, v], 1)
+
+
+@wrong(C9, "a new token does not see its own key")
+def cached_tril_off_by_one(k_cache, v_cache, q, k, v):
+    S, n = k_cache.shape[1], q.shape[1]
+    k_cache, v_cache = torch.cat([k_cache, k], 1), torch.cat([v_cache, v], 1)
+    sees = torch.ones(n, S + n, dtype=torch.bool).tril(diagonal=S - 1)
+    return _masked_attention(q, k_cache, v_cache, sees), k_cache, v_cache
+
+
+@wrong(C9, "no causal mask among the new tokens")
+def cached_no_mask(k_cache, v_cache, q, k, v):
+    k_cache, v_cache = torch.cat([k_cache, k], 1), torch.cat([v_cache, v], 1)
+    scores = q @ k_cache.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    return torch.softmax(scores, dim=-1) @ v_cache, k_cache, v_cache
+
+
+@wrong(C9, "not divided by sqrt(d_k)")
+def cached_no_scale(k_cache, v_cache, q, k, v):
+    S, n = k_cache.shape[1], q.shape[1]
+    k_cache, v_cache = torch.cat([k_cache, k], 1), torch.cat([v_cache, v], 1)
+    sees = torch.ones(n, S + n, dtype=torch.bool).tril(diagonal=S)
+    return _masked_attention(q, k_cache, v_cache, sees, scale=1.0), k_cache, v_cache
+
+
+@wrong(C9, "divided by sqrt(d_v)")
+def cached_scale_d_v(k_cache, v_cache, q, k, v):
+    S, n = k_cache.shape[1], q.shape[1]
+    k_cache, v_cache = torch.cat([k_cache, k], 1), torch.cat([v_cache, v], 1)
+    sees = torch.ones(n, S + n, dtype=torch.bool).tril(diagonal=S)
+    return (_masked_attention(q, k_cache, v_cache, sees, scale=v.shape[-1] ** -0.5),
+            k_cache, v_cache)
+
+
+@wrong(C9, "the new rows first")
+def cached_prepend(k_cache, v_cache, q, k, v):
+    S, n = k_cache.shape[1], q.shape[1]
+    keys, values = torch.cat([k_cache, k], 1), torch.cat([v_cache, v], 1)
+    sees = torch.ones(n, S + n, dtype=torch.bool).tril(diagonal=S)
+    y = _masked_attention(q, keys, values, sees)
+    return y, torch.cat([k, k_cache], 1), torch.cat([v, v_cache], 1)  # new rows first
+
+
+@wrong(C9, "the old cache")
+def cached_returns_old_cache(k_cache, v_cache, q, k, v):
+    S, n = k_cache.shape[1], q.shape[1]
+    keys, values = torch.cat([k_cache, k], 1), torch.cat([v_cache, v], 1)
+    sees = torch.ones(n, S + n, dtype=torch.bool).tril(diagonal=S)
+    return _masked_attention(q, keys, values, sees), k_cache, v_cache
+
+
+@wrong(C9, "append along the sequence axis, dim 1", earns="nothing")  # cat raises
+def cached_cat_batch_axis(k_cache, v_cache, q, k, v):
+    S, n = k_cache.shape[1], q.shape[1]
+    keys, values = torch.cat([k_cache, k], 1), torch.cat([v_cache, v], 1)
+    sees = torch.ones(n, S + n, dtype=torch.bool).tril(diagonal=S)
+    y = _masked_attention(q, keys, values, sees)
+    return y, torch.cat([k_cache, k], 0), torch.cat([v_cache, v], 0)  # along the batch
+
+
+@wrong(C9, "one output row per new token")
+def cached_last_row_only(k_cache, v_cache, q, k, v):
+    S, n = k_cache.shape[1], q.shape[1]
+    k_cache, v_cache = torch.cat([k_cache, k], 1), torch.cat([v_cache, v], 1)
+    scores = q[:, -1:] @ k_cache.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    return torch.softmax(scores, dim=-1) @ v_cache, k_cache, v_cache  # (B, 1, d_v)
+
+
+@shortcut(C9, "attention.scaled_dot_product_attention")
+def cached_module_sdpa(k_cache, v_cache, q, k, v):
+    S, n = k_cache.shape[1], q.shape[1]
+    k_cache, v_cache = torch.cat([k_cache, k], 1), torch.cat([v_cache, v], 1)
+    sees = torch.ones(n, S + n, dtype=torch.bool).tril(diagonal=S)
+    return scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=sees)[0], k_cache, v_cache
+
+
+@shortcut(C9, "torch.nn.functional.scaled_dot_product_attention")
+def cached_torch_sdpa(k_cache, v_cache, q, k, v):
+    S, n = k_cache.shape[1], q.shape[1]
+    k_cache, v_cache = torch.cat([k_cache, k], 1), torch.cat([v_cache, v], 1)
+    sees = torch.ones(n, S + n, dtype=torch.bool).tril(diagonal=S)
+    return F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=sees), k_cache, v_cache
+
+
+@shortcut(C9, "torch.nn.attention.bias.causal_lower_right")
+def cached_lower_right(k_cache, v_cache, q, k, v):
+    from torch.nn.attention.bias import causal_lower_right
+    S, n = k_cache.shape[1], q.shape[1]
+    k_cache, v_cache = torch.cat([k_cache, k], 1), torch.cat([v_cache, v], 1)
+    sees = causal_lower_right(n, S + n)._materialize()
+    return _masked_attention(q, k_cache, v_cache, sees), k_cache, v_cache
+
+
+@shortcut(C9, "attention.KVCache")
+def cached_module_cache(k_cache, v_cache, q, k, v):
+    cache = attention.KVCache()
+    if k_cache.shape[1]:
+        cache.update(k_cache[:, None], v_cache[:, None])
+    keys, values, sees = cache.update(k[:, None], v[:, None], is_causal=True)
+    keys, values = keys[:, 0], values[:, 0]
+    return _masked_attention(q, keys, values, sees), keys, values
+
+
+@right(C9)
+def cached_float64_loops(k_cache, v_cache, q, k, v):
+    S, n = k_cache.shape[1], q.shape[1]
+    keys = torch.cat([k_cache, k], 1).double()
+    values = torch.cat([v_cache, v], 1).double()
+    rows = []
+    for r in range(n):  # query r is position S + r and sees keys 0..S + r
+        z = q[:, r:r + 1].double() @ keys[:, :S + r + 1].mT / math.sqrt(q.shape[-1])
+        rows.append(torch.softmax(z, -1) @ values[:, :S + r + 1])
+    return torch.cat(rows, 1).float(), keys.float(), values.float()
+
+
+@right(C9)
+def cached_additive_mask(k_cache, v_cache, q, k, v):
+    S, n = k_cache.shape[1], q.shape[1]
+    k_cache, v_cache = torch.cat([k_cache, k], 1), torch.cat([v_cache, v], 1)
+    j, r = torch.arange(S + n), torch.arange(n)[:, None]
+    bias = torch.zeros(n, S + n).masked_fill(j > S + r, float("-inf"))
+    scores = torch.einsum("bnd,bsd->bns", q, k_cache) / q.shape[-1] ** 0.5 + bias
+    return softmax(scores) @ v_cache, k_cache, v_cache
+
+
+# --- chapter 10: check_merge_partials(fn), fn(m1, ell1, y1, m2, ell2, y2) -> (m, ell, y) ----
+
+C10 = "check_merge_partials"
+
+
+def _factors(m1, m2):
+    """The new maximum, and exp(m1 - m), exp(m2 - m) with 0 where a block is empty."""
+    m = torch.maximum(m1, m2)
+    shift = torch.where(m.isfinite(), m, torch.zeros_like(m))
+    return m, torch.exp(m1 - shift), torch.exp(m2 - shift)
+
+
+@wrong(C10, "added without rescaling")
+def merge_no_rescale(m1, ell1, y1, m2, ell2, y2):
+    return torch.maximum(m1, m2), ell1 + ell2, y1 + y2
+
+
+@wrong(C10, "ell is rescaled but y is not")
+def merge_forgets_y(m1, ell1, y1, m2, ell2, y2):
+    m, f1, f2 = _factors(m1, m2)
+    return m, f1 * ell1 + f2 * ell2, y1 + y2
+
+
+@wrong(C10, "the inverse of the right factor")
+def merge_inverted_factor(m1, ell1, y1, m2, ell2, y2):
+    m = torch.maximum(m1, m2)
+    f1, f2 = torch.exp(m - m1), torch.exp(m - m2)  # new minus old: the wrong way round
+    return m, f1 * ell1 + f2 * ell2, f1[..., None] * y1 + f2[..., None] * y2
+
+
+@wrong(C10, "rescaled to the second block's maximum m2")
+def merge_to_m2(m1, ell1, y1, m2, ell2, y2):
+    f = torch.exp(m1 - m2)  # as if the new block always raised the maximum
+    return torch.maximum(m1, m2), f * ell1 + ell2, f[..., None] * y1 + y2
+
+
+@wrong(C10, "only the first block's sum is rescaled")
+def merge_rescales_old_only(m1, ell1, y1, m2, ell2, y2):
+    m, f1, _ = _factors(m1, m2)
+    return m, f1 * ell1 + ell2, f1[..., None] * y1 + y2
+
+
+@wrong(C10, "y is divided by ell")
+def merge_normalises(m1, ell1, y1, m2, ell2, y2):
+    m, f1, f2 = _factors(m1, m2)
+    ell = f1 * ell1 + f2 * ell2
+    return m, ell, (f1[..., None] * y1 + f2[..., None] * y2) / ell[..., None]
+
+
+@wrong(C10, "the two rescaled outputs are averaged")
+def merge_averages(m1, ell1, y1, m2, ell2, y2):
+    m, f1, f2 = _factors(m1, m2)
+    return m, f1 * ell1 + f2 * ell2, (f1[..., None] * y1 + f2[..., None] * y2) / 2
+
+
+@wrong(C10, "m is the second block's maximum m2")
+def merge_keeps_new_max(m1, ell1, y1, m2, ell2, y2):
+    _, f1, f2 = _factors(m1, m2)
+    return m2, f1 * ell1 + f2 * ell2, f1[..., None] * y1 + f2[..., None] * y2
+
+
+@wrong(C10, "NaN in rows")
+def merge_nan_when_empty(m1, ell1, y1, m2, ell2, y2):
+    m = torch.maximum(m1, m2)
+    f1, f2 = torch.exp(m1 - m), torch.exp(m2 - m)  # NaN where both maxima are -inf
+    return m, f1 * ell1 + f2 * ell2, f1[..., None] * y1 + f2[..., None] * y2
+
+
+@wrong(C10, "Only differences of scores may be exponentiated")
+def merge_unshifted(m1, ell1, y1, m2, ell2, y2):
+    e1, e2 = torch.exp(m1), torch.exp(m2)  # back to exp(score): overflows
+    m = torch.maximum(m1, m2)
+    em = torch.exp(m)
+    safe = torch.where(em > 0, em, torch.ones_like(em))
+    return (m, (e1 * ell1 + e2 * ell2) / safe,
+            (e1[..., None] * y1 + e2[..., None] * y2) / safe[..., None])
+
+
+@wrong(C10, "index it as factor[..., None]", earns="nothing")
+def merge_broadcasts_wrong_axis(m1, ell1, y1, m2, ell2, y2):
+    m, f1, f2 = _factors(m1, m2)
+    return m, f1 * ell1 + f2 * ell2, f1 * y1 + f2 * y2  # (..., L) against (..., L, Ev)
+
+
+@shortcut(C10, "torch.logaddexp")
+def merge_logaddexp(m1, ell1, y1, m2, ell2, y2):
+    m, f1, f2 = _factors(m1, m2)
+    lse = torch.logaddexp(m1 + torch.log(ell1), m2 + torch.log(ell2))
+    shift = torch.where(m.isfinite(), m, torch.zeros_like(m))
+    return m, torch.exp(lse - shift), f1[..., None] * y1 + f2[..., None] * y2
+
+
+@shortcut(C10, "torch.logsumexp")
+def merge_logsumexp(m1, ell1, y1, m2, ell2, y2):
+    m, f1, f2 = _factors(m1, m2)
+    lse = torch.logsumexp(torch.stack([m1 + torch.log(ell1), m2 + torch.log(ell2)]), dim=0)
+    shift = torch.where(m.isfinite(), m, torch.zeros_like(m))
+    return m, torch.exp(lse - shift), f1[..., None] * y1 + f2[..., None] * y2
+
+
+@shortcut(C10, "torch.softmax")
+def merge_softmax(m1, ell1, y1, m2, ell2, y2):
+    m, f1, f2 = _factors(m1, m2)
+    ell = f1 * ell1 + f2 * ell2
+    lse = torch.stack([m1 + torch.log(ell1), m2 + torch.log(ell2)], dim=-1)  # (..., L, 2)
+    w = torch.softmax(lse, dim=-1).nan_to_num(0.0)  # each block's share of the row
+    y = (w[..., :1] * y1 / torch.where(ell1 > 0, ell1, 1.0)[..., None]
+         + w[..., 1:] * y2 / torch.where(ell2 > 0, ell2, 1.0)[..., None])
+    return m, ell, y * ell[..., None]
+
+
+@shortcut(C10, "attention.softmax")
+def merge_module_softmax(m1, ell1, y1, m2, ell2, y2):
+    m, f1, f2 = _factors(m1, m2)
+    ell = f1 * ell1 + f2 * ell2
+    lse = torch.stack([m1 + torch.log(ell1), m2 + torch.log(ell2)], dim=-1)
+    w = attention.softmax(lse, dim=-1)
+    y = (w[..., :1] * y1 / torch.where(ell1 > 0, ell1, 1.0)[..., None]
+         + w[..., 1:] * y2 / torch.where(ell2 > 0, ell2, 1.0)[..., None])
+    return m, ell, y * ell[..., None]
+
+
+@right(C10)
+def merge_reference(m1, ell1, y1, m2, ell2, y2):
+    m = torch.maximum(m1, m2)
+    shift = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    f1, f2 = torch.exp(m1 - shift), torch.exp(m2 - shift)
+    return m, f1 * ell1 + f2 * ell2, f1[..., None] * y1 + f2[..., None] * y2
+
+
+@right(C10)
+def merge_by_cases(m1, ell1, y1, m2, ell2, y2):
+    """Rescale only the block with the smaller maximum (the other's factor is exactly 1)."""
+    first_larger = m1 >= m2
+    big = torch.where(first_larger, m1, m2)
+    small = torch.where(first_larger, m2, m1)
+    factor = torch.where(small == float("-inf"), torch.zeros_like(big),
+                         torch.exp(small - torch.where(big.isfinite(), big, 0.0)))
+    ell_big, ell_small = torch.where(first_larger, ell1, ell2), torch.where(first_larger, ell2, ell1)
+    keep = first_larger[..., None]
+    y_big, y_small = torch.where(keep, y1, y2), torch.where(keep, y2, y1)
+    return big, ell_big + factor * ell_small, y_big + factor[..., None] * y_small
+
+
+def _run(check, fn):
+    """{case title: message or None}."""
+    return {title: check._run(title, (fn,)) for title in check.cases}
 
 # ---------------------------------------------------------------------------------------------
 # The tests

@@ -16,8 +16,9 @@ import yaml
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CHAPTERS = ROOT / "chapters"
-# The book's code that every chapter notebook imports: the module, and the exercises' checks.
-CODE_FILES = ("attention.py", "checks.py")
+# The book's code, every file of code/, in the order a notebook imports it: the module, its
+# siblings of Part III (which may import it), and the exercises' checks (which import them all).
+CODE_FILES = ("attention.py", "position.py", "flash.py", "checks.py")
 
 # What a student finds in place of a solution's function body. nbgrader is told to write the
 # same stub (see nbgrader_config.py in `make assignments`), so both routes look alike.
@@ -39,14 +40,14 @@ def repository() -> dict[str, str]:
 # repository at the book's ref. In the book the module is importable and the fetch never runs.
 SETUP_CELL_TEMPLATE = '''```{code-cell} ipython3
 :tags: [remove-cell]
-# Setup, hidden in the book. Makes the book's code importable, the module code/attention.py and
-# the exercises' checks code/checks.py: from the repository when the notebook sits in it, else
-# (Colab, a download) fetched once into this folder. Without myst_nb, glue() just shows its
-# value. Then: reproducible SVG figures, short tensor printing, and the torch version, compared
-# with the one the book's text was checked with.
+# Setup, hidden in the book. Makes the book's code importable (the module code/attention.py,
+# its siblings and the exercises' checks code/checks.py): from the repository when the notebook
+# sits in it, else (Colab, a download) fetched once into this folder. Without myst_nb, glue()
+# just shows its value. Then: reproducible SVG figures, short tensor printing, and the torch
+# version, compared with the one the book's text was checked with.
 import importlib, os, pathlib, sys, urllib.request
 sys.path.insert(0, str(pathlib.Path.cwd().parent / "code"))
-for module in ("attention", "checks"):
+for module in @MODULES@:
     try:
         importlib.import_module(module)
     except ModuleNotFoundError:
@@ -58,7 +59,7 @@ for module in ("attention", "checks"):
         except OSError as err:
             raise RuntimeError(f"could not fetch {url}: {err}. Upload code/{module}.py next to "
                                "this notebook, or set ATTENTION_PY_URL to the address of "
-                               "attention.py (checks.py is fetched from beside it).") from None
+                               "attention.py (the others are fetched from beside it).") from None
         sys.path.insert(0, os.getcwd())
         importlib.import_module(module)
 try:
@@ -90,8 +91,9 @@ def torch_pin() -> str:
 
 
 def setup_cell() -> str:
+    modules = tuple(name.removesuffix(".py") for name in CODE_FILES)
     return (SETUP_CELL_TEMPLATE.replace("@RAW@", repository()["raw"])
-            .replace("@TORCH@", torch_pin()))
+            .replace("@TORCH@", torch_pin()).replace("@MODULES@", repr(modules)))
 
 
 def numbered_chapters() -> list[pathlib.Path]:
@@ -192,8 +194,8 @@ def chapter_notebooks() -> list[pathlib.Path]:
 
 
 def stale_notebooks() -> list[str]:
-    """Committed notebooks older than what they were made from (their chapter's source or
-    code/attention.py), or with no chapter source at all; [] when all are fresh."""
+    """Committed notebooks older than what they were made from (their chapter's source or a
+    file of code/), or with no chapter source at all; [] when all are fresh."""
     import hashlib
     import json
 
@@ -202,7 +204,8 @@ def stale_notebooks() -> list[str]:
     for path in chapter_notebooks():
         made_from = json.loads(path.read_text()).get("metadata", {}).get("made_from", {})
         sources = {name: ROOT / name for name in made_from}
-        if (f"chapters/{path.stem}.md" not in made_from
+        needed = {f"chapters/{path.stem}.md", *(f"code/{name}" for name in CODE_FILES)}
+        if (needed - set(made_from)
                 or any(not file.is_file()
                        or hashlib.sha256(file.read_bytes()).hexdigest() != made_from[name]
                        for name, file in sources.items())):
@@ -215,7 +218,7 @@ def fresh_chapter_notebooks() -> list[pathlib.Path]:
     stale = stale_notebooks()
     if stale:
         raise SystemExit("These chapter notebooks are older than their chapter or "
-                         f"code/attention.py: {', '.join(stale)}. Run `make notebooks` first "
+                         f"the book's code: {', '.join(stale)}. Run `make notebooks` first "
                          "(it rebuilds the book and writes them), then try again.")
     return chapter_notebooks()
 
@@ -663,7 +666,7 @@ def write_assignments(out: pathlib.Path) -> list[pathlib.Path]:
     Run again after a change to the book, it rewrites the source notebooks and the files the
     book provides, and nothing else: gradebook.db, release/, submitted/, autograded/,
     feedback/, course.yml and course_config.py stay as they are. Each assignment folder also
-    holds the book's code (attention.py, checks.py), which nbgrader releases with the notebook,
+    holds the book's code (CODE_FILES), which nbgrader releases with the notebook,
     so the notebook's first cell finds it beside it, offline.
     """
     import shutil
