@@ -15,7 +15,7 @@ COURSE ?= course
 JB_FLAGS := --all -W -n --keep-going
 
 .PHONY: book html bench test test-code clean serve venv browser chapter screenshots notebooks \
-        student assignments release autograde feedback grades
+        student assignments release autograde feedback grades pdf
 
 venv: $(STAMP)
 
@@ -41,6 +41,11 @@ book: $(STAMP)
 # are committed. tests/test_book.py fails while the committed ones differ from the build's.
 notebooks: book
 	cp _build/notebooks/chapters/*.ipynb chapters/
+
+# The whole book as one PDF, _build/pdf/book.pdf: every page printed from the built site by the
+# site tests' Chromium, with a title page, contents, page numbers and bookmarks (tools/pdf.py).
+pdf: book browser
+	$(BIN)/python tools/pdf.py _build/html _build/pdf/book.pdf
 
 # One notebook per chapter for students, in _build/student/: solutions out, stubs and checks in.
 student: $(STAMP)

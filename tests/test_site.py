@@ -476,3 +476,35 @@ def test_internal_links_and_anchors_resolve_and_external_links_are_listed(build)
         encoding="utf-8")
     print(f"\n{len(external)} external links listed in {report}")
     assert not broken, f"{len(broken)} broken internal links:\n" + "\n".join(broken)
+
+
+# --- the book as one PDF (`make pdf`) ------------------------------------------------------------
+
+
+def test_pdf_holds_every_page_in_order_with_no_unresolved_reference(build, tmp_path):
+    """tools/pdf.py prints the built site: the PDF's text has every page's title, in the order
+    of the contents and at the page the contents give, and no "??" of an unresolved
+    reference; its outline lists the pages."""
+    import pdf
+    from pypdf import PdfReader
+
+    _, _, out = build
+    target = tmp_path / "book.pdf"
+    contents = pdf.print_book(out / "html", target)
+    reader = PdfReader(target)
+    assert len(contents) == len(pdf.toc_pages()) >= 13
+    chapters = [title for title, _ in contents.values() if re.match(r"\d+\. ", title)]
+    assert len(chapters) == len(list((pathlib.Path(__file__).parents[1] / "chapters")
+                                     .glob("[0-9][0-9]-*.md")))
+    front = "".join(reader.pages[i].extract_text() for i in range(3))
+    previous = 0
+    for title, start in contents.values():
+        assert start > previous, (title, start)
+        previous = start
+        bare = title.split(". ", 1)[-1] if re.match(r"\d+\. ", title) else title
+        first_page = "".join(reader.pages[start - 1].extract_text().split())
+        assert "".join(bare.split(":")[0].split()) in first_page, (title, start)
+        assert "".join(title.split()) in "".join(front.split()), title  # "√d ₖ" in the text
+    text = "\n".join(page.extract_text() for page in reader.pages)
+    assert "??" not in text
+    assert [item.title for item in reader.outline] == [t for t, _ in contents.values()]
