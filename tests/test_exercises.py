@@ -3,16 +3,14 @@
 Every chapter has one or two checks that a student runs on their own function, and a gated
 solution whose code cell defines the reference function and calls the check on it. A check is a
 `checks.Check` of code/checks.py, a list of cases worth points that an nbgrader assignment grades
-one by one, which a chapter imports (`from checks import check_xxx`); a check still defined in a
-chapter cell (`def check_xxx(fn): ...`) is the older, all-or-nothing kind. Here each check must
+one by one, which a chapter imports (`from checks import check_xxx`); no chapter defines a
+check of its own. Here each check must
 
-* run with nothing but `torch` defined (in a student notebook it sits far from the chapter's
-  other cells, and the cells that define the chapter's data may not have run);
 * accept the reference solution, and other correct ways of writing it;
 * reject the stub a student starts from (tools/classroom.py, `stub_code`) with a message
   saying the function is not written yet;
 * reject every wrong answer of the catalogue below with a message that names the mistake;
-* for a `Check`: give every wrong answer part of the points (it passes some case and fails
+* give every wrong answer part of the points (it passes some case and fails
   another) unless it is registered with earns="nothing", and give nothing, naming the call, to
   an answer that calls what the exercise forbids (the `shortcut` entries).
 
@@ -105,19 +103,13 @@ def read_chapter(path) -> Chapter:
 
 
 def defined_checks(cell: CodeCell) -> list[str]:
-    """The check_* functions a visible cell defines, or imports from code/checks.py."""
+    """The check_* functions a visible cell imports from code/checks.py."""
     if cell.solution_of is not None or "check_" not in cell.source:
         return []
     tree = ast.parse(cell.source)
-    imported = [alias.name for node in tree.body if isinstance(node, ast.ImportFrom)
-                and node.module == "checks" for alias in node.names]
-    if imported:
-        return [name for name in imported if name.startswith("check_")]
-    names = [node.name for node in tree.body
-             if isinstance(node, ast.FunctionDef) and node.name.startswith("check_")]
-    others = [node for node in tree.body if not isinstance(
-        node, (ast.FunctionDef, ast.Import, ast.ImportFrom))]
-    return names if names and not others else []
+    return [alias.name for node in tree.body if isinstance(node, ast.ImportFrom)
+            and node.module == "checks" for alias in node.names
+            if alias.name.startswith("check_")]
 
 
 def check_calls(source: str) -> list[tuple[str, list[str]]]:
@@ -169,17 +161,8 @@ for _chapter in CHAPTERS:
 CHECK_NAMES = sorted(CHECK_CELLS)
 
 
-def is_module_check(name: str) -> bool:
-    return isinstance(getattr(checks, name, None), checks.Check)
-
-
-def load_check(name: str):
-    """The check, executed the way a student notebook runs it: with only torch defined."""
-    if is_module_check(name):
-        return getattr(checks, name)
-    namespace = {"torch": torch}
-    exec(compile(CHECK_CELLS[name].source, f"<{name}>", "exec"), namespace)
-    return namespace[name]
+def load_check(name: str) -> checks.Check:
+    return checks.CHECKS[name]
 
 
 def load_functions(source: str, names: list[str], label: str) -> dict:
@@ -1850,10 +1833,7 @@ def test_check_names_the_mistake(check, fragment, replaces, fn, capsys):
     assert fragment in message, f"expected {fragment!r} in the message, got:\n{message}"
     assert "not written yet" not in message
     out = capsys.readouterr().out
-    if is_module_check(check):
-        assert "cases pass" not in out and "FAIL" in out, out
-    else:
-        assert not out, "the check printed success before failing"
+    assert "cases pass" not in out and "FAIL" in out, out
 
 
 def graded_points(check: str, replace: dict) -> tuple[int, dict[str, str | None]]:
@@ -1871,10 +1851,7 @@ def graded_points(check: str, replace: dict) -> tuple[int, dict[str, str | None]
     return earned, messages
 
 
-MODULE_WRONG = [case for case in WRONG_CASES if is_module_check(case.values[0])]
-
-
-@pytest.mark.parametrize("check, fragment, replaces, fn", MODULE_WRONG)
+@pytest.mark.parametrize("check, fragment, replaces, fn", WRONG_CASES)
 def test_wrong_answer_earns_part_of_the_points(check, fragment, replaces, fn, capsys):
     """Partial credit: a common mistake earns more than a blank and less than the answer; a
     forbidden call or a broken answer earns nothing, and the grade's message says why."""
@@ -1888,7 +1865,7 @@ def test_wrong_answer_earns_part_of_the_points(check, fragment, replaces, fn, ca
     assert any(fragment in m for m in failed), (fragment, failed)
 
 
-@pytest.mark.parametrize("check", [c for c in CHECK_NAMES if is_module_check(c)])
+@pytest.mark.parametrize("check", CHECK_NAMES)
 def test_module_check_grades_the_reference_fully(check, capsys):
     earned, messages = graded_points(check, {})
     assert earned == load_check(check).points >= 3, messages
@@ -1902,7 +1879,7 @@ def test_module_check_grades_the_reference_fully(check, capsys):
 NOTHING_TO_FORBID = {"check_additive_scores"}
 
 
-@pytest.mark.parametrize("check", [c for c in CHECK_NAMES if is_module_check(c)])
+@pytest.mark.parametrize("check", CHECK_NAMES)
 def test_module_check_forbids_something_and_has_a_shortcut(check):
     """Every exercise rules something out (at least the module's or PyTorch's version of what
     it asks for), and the catalogue holds an answer that calls it."""
@@ -1919,6 +1896,18 @@ def test_module_check_forbids_something_and_has_a_shortcut(check):
 @pytest.mark.parametrize("check, replaces, fn", RIGHT_CASES)
 def test_check_accepts_a_correct_answer_written_differently(check, replaces, fn):
     call_check(check, _replacements(check, replaces, fn))
+
+
+def test_no_chapter_defines_a_check_of_its_own():
+    # A check lives in code/checks.py, where nbgrader grades it case by case; a check_* written
+    # in a chapter cell would grade all or nothing and escape this file's catalogue.
+    for chapter in CHAPTERS:
+        for cell in chapter.cells:
+            if "def check_" not in cell.source:  # (the setup cell holds magics ast cannot read)
+                continue
+            defined = [node.name for node in ast.parse(cell.source).body
+                       if isinstance(node, ast.FunctionDef) and node.name.startswith("check_")]
+            assert not defined, f"{chapter.name}: {defined} defined in a cell, not code/checks.py"
 
 
 def test_every_check_has_a_catalogue():
@@ -1968,7 +1957,7 @@ def test_the_stub_shows_a_docstring_with_the_shapes(check):
 
 @pytest.mark.parametrize("check", CHECK_NAMES)
 def test_line_lengths(check):
-    for line in CHECK_CELLS[check].source.splitlines():  # a module check's cell is one import
+    for line in CHECK_CELLS[check].source.splitlines():  # the cell that imports the check
         assert len(line) <= 100, f"{check} cell: {len(line)} columns: {line}"
     for line in REFERENCES[check].cell.source.splitlines():
         assert len(line) <= 79, f"solution of {check}: {len(line)} columns: {line}"
