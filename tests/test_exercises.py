@@ -1498,6 +1498,14 @@ def _masked_attention(q, keys, values, sees, scale=None):
     return softmax(scores, dim=-1) @ values
 
 
+def _appended(k_cache, v_cache, q, k, v):
+    """The caches with the new keys and values appended (dim 1), and the bottom-right (n, S + n)
+    causal mask of the new queries: the right first steps, for the answers that go wrong later."""
+    S, n = k_cache.shape[1], q.shape[1]
+    keys, values = torch.cat([k_cache, k], 1), torch.cat([v_cache, v], 1)
+    return keys, values, torch.ones(n, S + n, dtype=torch.bool).tril(diagonal=S)
+
+
 @wrong(C9, "aligned to the top left")
 def cached_top_left(k_cache, v_cache, q, k, v):
     n = q.shape[1]
@@ -1530,43 +1538,33 @@ def cached_no_mask(k_cache, v_cache, q, k, v):
 
 @wrong(C9, "not divided by sqrt(d_k)")
 def cached_no_scale(k_cache, v_cache, q, k, v):
-    S, n = k_cache.shape[1], q.shape[1]
-    k_cache, v_cache = torch.cat([k_cache, k], 1), torch.cat([v_cache, v], 1)
-    sees = torch.ones(n, S + n, dtype=torch.bool).tril(diagonal=S)
+    k_cache, v_cache, sees = _appended(k_cache, v_cache, q, k, v)
     return _masked_attention(q, k_cache, v_cache, sees, scale=1.0), k_cache, v_cache
 
 
 @wrong(C9, "divided by sqrt(d_v)")
 def cached_scale_d_v(k_cache, v_cache, q, k, v):
-    S, n = k_cache.shape[1], q.shape[1]
-    k_cache, v_cache = torch.cat([k_cache, k], 1), torch.cat([v_cache, v], 1)
-    sees = torch.ones(n, S + n, dtype=torch.bool).tril(diagonal=S)
+    k_cache, v_cache, sees = _appended(k_cache, v_cache, q, k, v)
     return (_masked_attention(q, k_cache, v_cache, sees, scale=v.shape[-1] ** -0.5),
             k_cache, v_cache)
 
 
 @wrong(C9, "the new rows first")
 def cached_prepend(k_cache, v_cache, q, k, v):
-    S, n = k_cache.shape[1], q.shape[1]
-    keys, values = torch.cat([k_cache, k], 1), torch.cat([v_cache, v], 1)
-    sees = torch.ones(n, S + n, dtype=torch.bool).tril(diagonal=S)
+    keys, values, sees = _appended(k_cache, v_cache, q, k, v)
     y = _masked_attention(q, keys, values, sees)
     return y, torch.cat([k, k_cache], 1), torch.cat([v, v_cache], 1)  # new rows first
 
 
 @wrong(C9, "the old cache")
 def cached_returns_old_cache(k_cache, v_cache, q, k, v):
-    S, n = k_cache.shape[1], q.shape[1]
-    keys, values = torch.cat([k_cache, k], 1), torch.cat([v_cache, v], 1)
-    sees = torch.ones(n, S + n, dtype=torch.bool).tril(diagonal=S)
+    keys, values, sees = _appended(k_cache, v_cache, q, k, v)
     return _masked_attention(q, keys, values, sees), k_cache, v_cache
 
 
 @wrong(C9, "append along the sequence axis, dim 1", earns="nothing")  # cat raises
 def cached_cat_batch_axis(k_cache, v_cache, q, k, v):
-    S, n = k_cache.shape[1], q.shape[1]
-    keys, values = torch.cat([k_cache, k], 1), torch.cat([v_cache, v], 1)
-    sees = torch.ones(n, S + n, dtype=torch.bool).tril(diagonal=S)
+    keys, values, sees = _appended(k_cache, v_cache, q, k, v)
     y = _masked_attention(q, keys, values, sees)
     return y, torch.cat([k_cache, k], 0), torch.cat([v_cache, v], 0)  # along the batch
 
@@ -1581,17 +1579,13 @@ def cached_last_row_only(k_cache, v_cache, q, k, v):
 
 @shortcut(C9, "attention.scaled_dot_product_attention")
 def cached_module_sdpa(k_cache, v_cache, q, k, v):
-    S, n = k_cache.shape[1], q.shape[1]
-    k_cache, v_cache = torch.cat([k_cache, k], 1), torch.cat([v_cache, v], 1)
-    sees = torch.ones(n, S + n, dtype=torch.bool).tril(diagonal=S)
+    k_cache, v_cache, sees = _appended(k_cache, v_cache, q, k, v)
     return scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=sees)[0], k_cache, v_cache
 
 
 @shortcut(C9, "torch.nn.functional.scaled_dot_product_attention")
 def cached_torch_sdpa(k_cache, v_cache, q, k, v):
-    S, n = k_cache.shape[1], q.shape[1]
-    k_cache, v_cache = torch.cat([k_cache, k], 1), torch.cat([v_cache, v], 1)
-    sees = torch.ones(n, S + n, dtype=torch.bool).tril(diagonal=S)
+    k_cache, v_cache, sees = _appended(k_cache, v_cache, q, k, v)
     return F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=sees), k_cache, v_cache
 
 

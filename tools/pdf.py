@@ -24,8 +24,6 @@ import pathlib
 import sys
 import time
 
-import yaml
-
 import site_browser as sb
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -44,11 +42,7 @@ PRINT_CSS = """
 
 def toc_pages() -> list[str]:
     """The pages of _toc.yml in reading order, as paths of the built site."""
-    toc = yaml.safe_load((ROOT / "_toc.yml").read_text())
-    entries = list(toc.get("chapters", []))
-    for part in toc.get("parts", []):
-        entries += part["chapters"]
-    return [f"{doc}.html" for doc in [toc["root"]] + [entry["file"] for entry in entries]]
+    return [f"{doc}.html" for doc in sb.toc_docs()]
 
 
 def _front_matter(page, title: str, contents: list[tuple[str, int]]) -> bytes:

@@ -28,6 +28,17 @@ PHONE = {"width": 390, "height": 844}
 LOCAL_HOSTS = {"127.0.0.1", "localhost"}
 
 
+def toc_docs() -> list[str]:
+    """The root page and every file of _toc.yml, in reading order (without suffix)."""
+    import yaml
+
+    toc = yaml.safe_load((pathlib.Path(__file__).resolve().parents[1] / "_toc.yml").read_text())
+    entries = list(toc.get("chapters", []))
+    for part in toc.get("parts", []):
+        entries += part["chapters"]
+    return [toc["root"]] + [entry["file"] for entry in entries]
+
+
 def html_pages(html_dir: pathlib.Path) -> list[str]:
     """Every page of the built site, as paths relative to html_dir (theme templates left out)."""
     skip = {"_static", "_sources", "_images"}
