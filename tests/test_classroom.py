@@ -14,6 +14,7 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 
 import jupytext
 import nbformat
@@ -229,6 +230,13 @@ def make(target: str, course: pathlib.Path, assignment: str = "") -> str:
     return proc.stdout
 
 
+# A check traps its forbidden calls by replacing them on their modules for the length of a case
+# (checks.forbidding), so two cases must not run at once in one process: the `graded` fixture
+# builds its submissions in two threads, and a case of one chapter would otherwise meet the trap
+# of another (seen: a mistake expected to earn 1 point in-process where nbgrader gave 3).
+IN_PROCESS_GRADING = threading.Lock()
+
+
 def catalogue_answer(check: str, function: str, earns: str):
     """A wrong answer of tests/test_exercises.py's catalogue for `function`, as the source of a
     definition named `function` with the catalogue's helpers it calls, and the points the
@@ -264,7 +272,8 @@ def catalogue_answer(check: str, function: str, earns: str):
         except NameError:
             continue
         try:
-            earned, _ = catalogue.graded_points(check, {function: namespace[function]})
+            with IN_PROCESS_GRADING:
+                earned, _ = catalogue.graded_points(check, {function: namespace[function]})
         except NameError:
             continue  # it needs a name the catalogue's module has and a notebook has not
         return source, earned
