@@ -8,6 +8,7 @@ through nbgrader's generate_assignment and autograde.
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import pathlib
 import re
@@ -21,6 +22,7 @@ import nbformat
 import pytest
 
 import classroom
+import explorable
 
 ROOT = classroom.ROOT
 MD = classroom.numbered_chapters()
@@ -94,12 +96,13 @@ def test_binder_pins_cpu_torch_at_the_books_versions():
     binder = (ROOT / "binder" / "requirements.txt").read_text()
     assert re.search(r"^--extra-index-url https://download\.pytorch\.org/whl/cpu$", binder, re.M)
     assert re.search(rf"^torch=={re.escape(pins['torch'])}\+cpu$", binder, re.M)
-    for name in ("numpy", "matplotlib"):
+    for name in ("numpy", "matplotlib", "altair"):
         assert re.search(rf"^{name}=={re.escape(pins[name])}$", binder, re.M), name
-    # Nothing else: everything the chapters import must be torch, numpy, matplotlib, IPython
-    # (which Binder's Jupyter brings), the standard library, attention or myst_nb (stood in for
-    # by the setup cell), and the book's code (classroom.CODE_FILES).
-    allowed = {"torch", "numpy", "matplotlib", "IPython", "myst_nb",
+    # Nothing else: everything the chapters import must be torch, numpy, matplotlib, altair,
+    # IPython (which Binder's Jupyter brings), the standard library, myst_nb (stood in for by
+    # the setup cell), and the book's code (classroom.CODE_FILES). vl-convert-python, which
+    # explorable.py uses only in the book's build, is not needed there.
+    allowed = {"torch", "numpy", "matplotlib", "altair", "IPython", "myst_nb",
                *(name.removesuffix(".py") for name in classroom.CODE_FILES)}
     stdlib = set(sys.stdlib_module_names)
     for path in MD:
@@ -394,6 +397,7 @@ def run_alone(path: pathlib.Path, folder: pathlib.Path):
     (blocker / "myst_nb.py").write_text(BLOCK_MYST_NB)
     env = {**os.environ, "PYTHONPATH": str(blocker),
            "ATTENTION_PY_URL": (ROOT / "code" / "attention.py").as_uri()}
+    env.pop(explorable.BOOK_HTML, None)  # as in Colab: explorable() shows the Altair chart
     notebook = read(folder / path.name)
     for attempt in range(classroom.PORT_RACE_TRIES):
         client = NotebookClient(notebook, timeout=300, kernel_name="python3",
@@ -427,12 +431,30 @@ def comparable(outputs) -> list:
                 seen.append(("stream", output["name"], output["text"]))
         elif kind == "error":
             seen.append(("error", output["ename"], output["evalue"]))
+        elif (spec := explorable_spec(output.get("data", {}).get("text/html", ""))) is not None:
+            seen.append(("explorable figure", spec))
         else:
             data = {mime: value for mime, value in output.get("data", {}).items()
                     if not mime.startswith("application/papermill.record/")}
             if data:
                 seen.append((kind, sorted(data.items())))
     return seen
+
+
+BOOK_FIGURE = re.compile(r'<script type="application/json" class="explorable-spec">(.*?)</script>',
+                         re.S)
+# Altair's own HTML output (its "default" renderer, pinned altair): the spec is the first
+# argument of the function that embeds the chart.
+ALTAIR_FIGURE = re.compile(r'^  \}\)\((\{.*\}), \{"mode": "vega-lite"\}\);$', re.M)
+
+
+def explorable_spec(html: str) -> dict | None:
+    """The Vega-Lite spec of an explorable figure's output: in the book's build, the block that
+    code/explorable.py writes; run alone, the Altair chart Jupyter shows. The two routes show
+    one figure when their specs are equal."""
+    if match := BOOK_FIGURE.search(html) or ALTAIR_FIGURE.search(html):
+        return json.loads(match.group(1))
+    return None
 
 
 @pytest.mark.book

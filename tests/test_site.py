@@ -187,6 +187,132 @@ MATH_OVERFLOW_JS = """async () => {
   return found;
 }"""
 
+# --- explorable figures (code/explorable.py, _static/explorable.js) -----------------------------
+
+ALL_DRAWN_JS = """() => [...document.querySelectorAll('div.explorable')]
+  .every(d => d.classList.contains('explorable-ready') && d.querySelector('.explorable-live svg'))"""
+
+# The native controls Vega wrote for one figure, each with the text of the label around it.
+CONTROLS_JS = """id => [...document.getElementById(id).querySelectorAll(
+    '.vega-bindings input, .vega-bindings select')].map((el, index) => ({
+  index, tag: el.tagName.toLowerCase(), type: el.type,
+  label: (el.closest('label') ? el.closest('label').textContent : '').trim(),
+}))"""
+
+CHART_JS = "id => document.getElementById(id).querySelector('.explorable-live svg').outerHTML"
+
+# On screen the live chart shows and the still image does not; in print, the other way round.
+SHOWN_JS = """() => [...document.querySelectorAll('div.explorable')].map(d => {
+  const shown = el => Boolean(el) && getComputedStyle(el).display !== 'none' &&
+                      el.getBoundingClientRect().width > 0;
+  const still = d.querySelector('img.explorable-still');
+  return {id: d.id, still: shown(still) && still.naturalWidth > 0,
+          live: shown(d.querySelector('.explorable-live'))};
+})"""
+
+# Keys that move a control one step: a slider right (left when it starts at its maximum), a
+# drop-down to its next option, a check box or radio button toggled.
+STEP_KEYS = {"range": ["ArrowRight", "ArrowLeft"], "select-one": ["ArrowDown", "ArrowUp"],
+             "checkbox": ["Space"], "radio": ["ArrowRight", "ArrowLeft"]}
+
+
+def explorable_check(page) -> list[dict]:
+    """Wait until every explorable figure is drawn; then move each of its controls by keyboard
+    and record whether the chart changed. Also records what shows on screen and in print."""
+    ids = page.evaluate("() => [...document.querySelectorAll('div.explorable')].map(d => d.id)")
+    if not ids:
+        return []
+    try:
+        page.wait_for_function(ALL_DRAWN_JS, timeout=20_000)
+    except Exception:  # playwright's TimeoutError: reported below, per figure
+        pass
+    screen = {f["id"]: f for f in page.evaluate(SHOWN_JS)}
+    page.emulate_media(media="print")
+    printed = {f["id"]: f for f in page.evaluate(SHOWN_JS)}
+    page.emulate_media(media="screen")
+    figures = []
+    for fig in ids:
+        problems = []
+        if not page.evaluate(f"() => Boolean(document.querySelector('#{fig} .explorable-live svg'))"):
+            figures.append({"id": fig, "controls": 0, "problems": ["never drawn"]})
+            continue
+        if not (screen[fig]["live"] and not screen[fig]["still"]):
+            problems.append(f"on screen: {screen[fig]}")
+        if not (printed[fig]["still"] and not printed[fig]["live"]):
+            problems.append(f"in print: {printed[fig]}")
+        controls = page.evaluate(CONTROLS_JS, fig)
+        if not controls:
+            problems.append("no native control")
+        for control in controls:
+            name = control["label"] or f"{control['tag']} {control['index']}"
+            if not control["label"]:
+                problems.append(f"{name}: no label")
+            element = page.locator(f"#{fig} .vega-bindings").locator("input, select").nth(
+                control["index"])
+            changed = False
+            for key in STEP_KEYS.get(control["type"], []):
+                before = page.evaluate(CHART_JS, fig)
+                element.focus()
+                page.keyboard.press(key)
+                try:
+                    page.wait_for_function(f"before => ({CHART_JS})({fig!r}) !== before", arg=before,
+                                           timeout=3_000)
+                    changed = True
+                    break
+                except Exception:
+                    continue
+            if not changed:
+                problems.append(f"{name} ({control['type']}): the chart did not change when "
+                                "it was moved by keyboard")
+        figures.append({"id": fig, "controls": len(controls), "problems": problems})
+    return figures
+
+
+# The figures of a page, as images: each <figure>'s <img> or drawn explorable chart.
+FIGURE_ELEMENTS = "figure img:not(.explorable-still), figure .explorable-live svg.marks"
+
+
+def _luminance(rgb) -> float:
+    channels = [c / 255 for c in rgb]
+    r, g, b = [c / 12.92 if c <= 0.03928 else ((c + 0.055) / 1.055) ** 2.4 for c in channels]
+    return 0.2126 * r + 0.7152 * g + 0.0722 * b
+
+
+def readable(png: bytes) -> tuple[bool, str]:
+    """Whether a figure, as drawn on the page, has marks that stand out from its background:
+    at least 0.3% of its pixels at 3:1 contrast or more (WCAG's ratio for graphics) against its
+    most common colour. A figure with a transparent background and black text on a dark page
+    has none."""
+    import io
+
+    from PIL import Image
+
+    image = Image.open(io.BytesIO(png)).convert("RGB")
+    colours = image.getcolors(maxcolors=image.width * image.height)
+    total = image.width * image.height
+    background = max(colours)[1]
+    lb = _luminance(background)
+    contrasting = sum(n for n, rgb in colours
+                      if (max(lb, _luminance(rgb)) + 0.05) / (min(lb, _luminance(rgb)) + 0.05) >= 3)
+    share = contrasting / total
+    return share >= 0.003, f"background {background}, {share:.2%} of pixels at 3:1 or more"
+
+
+def figure_contrast(page) -> list[str]:
+    """Problems with the figures' legibility in the page's current theme."""
+    problems = []
+    figures = page.locator(FIGURE_ELEMENTS)
+    for index in range(figures.count()):
+        element = figures.nth(index)
+        element.scroll_into_view_if_needed()
+        ok, how = readable(element.screenshot())
+        if not ok:
+            src = element.get_attribute("src") or element.evaluate(
+                "e => e.closest('div.explorable').id")
+            problems.append(f"figure {index + 1} ({src}): {how}")
+    return problems
+
+
 MAX_TABS = 3000  # Tab presses at most: far more than any page has focusable elements
 
 
@@ -244,6 +370,8 @@ def visit(page, url: str, path: str, external: list, html_dir: pathlib.Path, axe
     report["math"] = page.evaluate(MATH_JS)
     report["broken_images"] = page.evaluate(IMAGES_JS)
     report["keyboard"] = keyboard_check(page)
+    report["explorables"] = explorable_check(page)  # drawn before axe audits the page
+    report["figure_contrast"] = figure_contrast(page)
     page.evaluate(axe_script)
     report["axe"] = page.evaluate(AXE_RUN_JS) + [
         {"id": "code-color-contrast", "impact": "serious", "nodes": [],
@@ -278,6 +406,51 @@ def site(build):
           + ", ".join(f"{p} {r['seconds']:.1f} s" for p, r in
                       sorted(reports.items(), key=lambda kv: -kv[1]["seconds"])[:3]))
     return html_dir, reports
+
+
+def pages_with(html_dir: pathlib.Path, marker: str) -> list[str]:
+    return [p for p in sb.html_pages(html_dir) if marker in (html_dir / p).read_text()]
+
+
+def visit_dark(page, url: str, path: str, external: list) -> dict:
+    """The page in the theme's dark mode (the reader's system asks for it): the figures."""
+    sb.open_page(page, url)
+    report = {"theme": page.evaluate("() => document.documentElement.dataset.theme")}
+    if page.evaluate("() => Boolean(document.querySelector('div.explorable'))"):
+        try:
+            page.wait_for_function(ALL_DRAWN_JS, timeout=20_000)
+        except Exception:
+            pass
+        report["chart_backgrounds"] = page.evaluate(
+            "() => [...document.querySelectorAll('.explorable-live svg.marks')]"
+            ".map(svg => getComputedStyle(svg).backgroundColor)")
+    report["figure_contrast"] = figure_contrast(page)
+    return report
+
+
+@pytest.fixture(scope="module")
+def dark_site(build):
+    """{page: report} for every page with a figure, opened in dark mode."""
+    _, _, out = build
+    html_dir = out / "html"
+    return sb.visit_pages(html_dir, pages_with(html_dir, "<figure"), visit_dark,
+                          color_scheme="dark")
+
+
+def visit_without_javascript(page, url: str, path: str, external: list) -> dict:
+    page.goto(url, wait_until="load")
+    return {"explorables": page.evaluate(SHOWN_JS),
+            "alts": page.evaluate("() => [...document.querySelectorAll('img.explorable-still')]"
+                                  ".map(img => img.alt)")}
+
+
+@pytest.fixture(scope="module")
+def no_script_site(build):
+    """{page: report} for every page with an explorable figure, with JavaScript off."""
+    _, _, out = build
+    html_dir = out / "html"
+    return sb.visit_pages(html_dir, pages_with(html_dir, 'class="explorable"'),
+                          visit_without_javascript, java_script_enabled=False)
 
 
 def failures(reports: dict, check, redirects: bool = False) -> dict:
@@ -508,3 +681,71 @@ def test_pdf_holds_every_page_in_order_with_no_unresolved_reference(build, tmp_p
     text = "\n".join(page.extract_text() for page in reader.pages)
     assert "??" not in text
     assert [item.title for item in reader.outline] == [t for t, _ in contents.values()]
+
+
+# --- explorable figures and the figures' themes ----------------------------------------------
+
+def test_at_least_six_explorable_figures_each_in_a_numbered_figure(build):
+    _, _, out = build
+    html_dir = out / "html"
+    found = {}
+    for page in pages_with(html_dir, 'class="explorable"'):
+        text = (html_dir / page).read_text()
+        ids = re.findall(r'<div class="explorable" id="(explorable-[a-z0-9-]+)">', text)
+        found[page] = ids
+        for fig in ids:
+            label = "fig-" + fig.removeprefix("explorable-")
+            figure = re.search(rf'<figure[^>]*id="{label}".*?</figure>', text, re.S)
+            assert figure and fig in figure.group(0), f"{page}: {fig} is not inside figure {label}"
+            assert "<figcaption" in figure.group(0), f"{page}: {label} has no caption"
+        # The Vega libraries come from the site, once per page however many figures it has.
+        assert len(re.findall(r'<script[^>]*src="[./]*_static/vega/vega-bundle\.js', text)) == 1, page
+    figures = [fig for ids in found.values() for fig in ids]
+    assert len(figures) >= 6, found
+    assert len(set(figures)) == len(figures), found
+    assert (html_dir / "_static" / "vega" / "vega-bundle.js").is_file()
+    without = set(sb.html_pages(html_dir)) - set(found)
+    for page in without:
+        assert "vega-bundle.js" not in (html_dir / page).read_text(), (
+            f"{page} has no explorable figure but loads the Vega bundle")
+
+
+def test_explorable_figures_draw_offline_and_answer_the_keyboard(site):
+    html_dir, reports = site
+    drawn = [fig for report in reports.values() for fig in report.get("explorables", [])]
+    assert len(drawn) >= 6, "fewer explorable figures visited than the site has"
+    problems = failures(reports, lambda page, r: [f"{f['id']}: {p}" for f in r.get("explorables", [])
+                                                 for p in f["problems"]])
+    assert not problems, "explorable figures:\n" + format_failures(problems)
+
+
+def test_figures_stand_out_from_their_background_in_the_light_theme(site):
+    _, reports = site
+    problems = failures(reports, lambda page, r: r.get("figure_contrast"))
+    assert not problems, "figures that do not read in the light theme:\n" + format_failures(problems)
+
+
+def test_figures_read_in_the_dark_theme_and_charts_follow_it(dark_site):
+    assert dark_site, "no page with a figure"
+    problems = {}
+    for page, report in dark_site.items():
+        found = list(report["figure_contrast"])
+        if report["theme"] != "dark":
+            found.append(f"the page's theme is {report['theme']!r}, not dark")
+        found += [f"an explorable chart has a light background in the dark theme: {bg}"
+                  for bg in report.get("chart_backgrounds", []) if _luminance(
+                      [int(c) for c in re.findall(r"\d+", bg)[:3]]) > 0.3]
+        if found:
+            problems[page] = found
+    assert not problems, "figures in the dark theme:\n" + format_failures(problems)
+
+
+def test_without_javascript_explorable_figures_show_their_still_image(no_script_site):
+    assert no_script_site, "no page with an explorable figure"
+    problems = {}
+    for page, report in no_script_site.items():
+        found = [f"{f['id']}: {f}" for f in report["explorables"] if not f["still"] or f["live"]]
+        found += [f"alt text {alt!r}" for alt in report["alts"] if len(alt.split()) < 5]
+        if found:
+            problems[page] = found
+    assert not problems, "explorable figures without JavaScript:\n" + format_failures(problems)

@@ -6,7 +6,8 @@ Measures, on this machine, in one run:
 - the clean build (every cell executed, as `make book`) and a no-op rebuild;
 - each chapter's execution time (recorded by myst-nb during the clean build);
 - the floor: one kernel start plus `import torch, matplotlib`, once per chapter;
-- the size of the site and its heaviest page;
+- the size of the site, what its explorable figures add (the Vega bundle, once, and the
+  figures' blocks), and its heaviest page;
 - the forward time of code/attention.py against PyTorch's math path of
   `scaled_dot_product_attention` and against `torch.nn.MultiheadAttention`, as ratios;
 - `make test` itself: the fast tests and the book tests, per test file, and per chapter
@@ -24,6 +25,7 @@ import os
 import pathlib
 import pickle
 import platform
+import re
 import shutil
 import statistics
 import subprocess
@@ -122,19 +124,36 @@ def autograde_seconds() -> dict[str, float]:
     return times
 
 
-def site_size(html: pathlib.Path) -> tuple[float, str, float]:
+EXPLORABLE = re.compile(r'<div class="explorable" id="[^"]+">.*?</div>', re.S)
+VEGA_BUNDLE = pathlib.Path("_static") / "vega" / "vega-bundle.js"
+
+
+def site_size(html: pathlib.Path) -> dict:
+    """Sizes in MiB: the whole site; what the explorable figures add to it (the Vega bundle,
+    stored once, and the figures' blocks of spec and still image in the pages); the heaviest
+    page with everything it loads that the theme's pages do not share (its images, and the
+    Vega bundle if it has an explorable figure)."""
     files = [p for p in html.rglob("*") if p.is_file()]
-    total = sum(p.stat().st_size for p in files) / 2**20
     pages = [p for p in files if p.suffix == ".html" and "_static" not in p.parts]
+    bundle = html / VEGA_BUNDLE
+    bundle_size = bundle.stat().st_size if bundle.is_file() else 0
+    blocks = {page: EXPLORABLE.findall(page.read_text(encoding="utf-8")) for page in pages}
 
     def weight(page: pathlib.Path) -> int:
-        """The page's HTML plus the images it shows."""
         text = page.read_text(encoding="utf-8")
         images = {p for p in (html / "_images").glob("*") if p.name in text}
-        return page.stat().st_size + sum(p.stat().st_size for p in images)
+        return (page.stat().st_size + sum(p.stat().st_size for p in images)
+                + (bundle_size if blocks[page] else 0))
 
     heaviest = max(pages, key=weight)
-    return total, str(heaviest.relative_to(html)), weight(heaviest) / 2**20
+    figures = [b for found in blocks.values() for b in found]
+    mib = 2**20
+    return {"total": sum(p.stat().st_size for p in files) / mib,
+            "bundle": bundle_size / mib,
+            "figures": len(figures),
+            "figure_pages": sum(1 for found in blocks.values() if found),
+            "blocks": sum(len(b.encode()) for b in figures) / mib,
+            "heaviest": str(heaviest.relative_to(html)), "heaviest_mib": weight(heaviest) / mib}
 
 
 def best_of_alternating(mine, ref, repeats: int = 30) -> tuple[float, float]:
@@ -195,7 +214,7 @@ def main() -> None:
         try:
             clean, noop, chapters = build_times(out)
             floor = floor_seconds()
-            total, heaviest, heaviest_mb = site_size(out / "_build" / "html")
+            site = site_size(out / "_build" / "html")
         finally:
             shutil.rmtree(out, ignore_errors=True)
         executed = sum(chapters.values())
@@ -212,8 +231,15 @@ def main() -> None:
             "", "| chapter | execution seconds |", "| --- | ---: |",
             *[f"| {name} | {sec:.1f} |" for name, sec in chapters.items()],
             "", "| site | |", "| --- | ---: |",
-            f"| total size | {total:.1f} MiB |",
-            f"| heaviest page (HTML + its images) | {heaviest}, {heaviest_mb:.2f} MiB |",
+            f"| total size | {site['total']:.1f} MiB |",
+            f"| without the explorable figures (no Vega bundle, no figure blocks) | "
+            f"{site['total'] - site['bundle'] - site['blocks']:.1f} MiB |",
+            f"| Vega bundle, one file in _static/vega/, loaded by {site['figure_pages']} pages | "
+            f"{site['bundle']:.2f} MiB |",
+            f"| {site['figures']} explorable figures' blocks (spec + still image) | "
+            f"{site['blocks']:.2f} MiB |",
+            f"| heaviest page (HTML + its images + Vega if it has a figure) | "
+            f"{site['heaviest']}, {site['heaviest_mib']:.2f} MiB |",
             "",
         ]
     if not args.skip_suite:

@@ -17,8 +17,9 @@ import yaml
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CHAPTERS = ROOT / "chapters"
 # The book's code, every file of code/, in the order a notebook imports it: the module, its
-# siblings of Part III (which may import it), and the exercises' checks (which import them all).
-CODE_FILES = ("attention.py", "position.py", "flash.py", "checks.py")
+# siblings of Part III (which may import it), the explorable figures' helper, and the exercises'
+# checks (which import them all).
+CODE_FILES = ("attention.py", "position.py", "flash.py", "explorable.py", "checks.py")
 
 # What a student finds in place of a solution's function body. nbgrader is told to write the
 # same stub (see nbgrader_config.py in `make assignments`), so both routes look alike.
