@@ -126,7 +126,7 @@ def solution_functions(path):
     """{name: body} of every function that the notebook's solution cells define."""
     found = {}
     for cell in read(path).cells:
-        if cell.cell_type == "code" and "solution" in cell.metadata.get("tags", []):
+        if cell.cell_type == "code" and structure.is_solution(cell):
             for kind, chunk in structure.split_solution(cell.source):
                 if kind == "def":
                     found[chunk[3]] = "\n".join(chunk[1])
@@ -138,7 +138,7 @@ def test_student_notebook_has_no_solution(student, path):
     notebook = student[path.stem]
     text = "\n".join(c.source for c in notebook.cells)
     for cell in notebook.cells:
-        assert "solution" not in cell.metadata.get("tags", [])
+        assert not structure.is_solution(cell)
     assert "Solution to Exercise" not in text
     stubbed = {}
     for cell in notebook.cells:

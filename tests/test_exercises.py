@@ -33,7 +33,8 @@ import checks
 import flash
 import position
 from attention import causal_mask, padding_mask, scaled_dot_product_attention, softmax
-from chapter_structure import CodeCell, check_calls, imported_checks, read_source, stub_code
+from chapter_structure import (SOLUTION, CodeCell, check_calls, imported_checks, read_source,
+                               stub_code)
 from classroom import numbered_chapters
 
 torch.set_num_threads(1)
@@ -82,7 +83,7 @@ class Reference:
 REFERENCES: dict[str, Reference] = {}  # check name -> the solution cell that calls it
 for _chapter in CHAPTERS:
     for _cell in _chapter.cells:
-        if _cell.solution_of is None or "solution" not in _cell.tags:
+        if _cell.solution_of is None or SOLUTION not in _cell.tags:
             continue
         for _name, _args in check_calls(_cell.source):
             REFERENCES.setdefault(_name, Reference(_cell, _args))
@@ -1847,7 +1848,7 @@ def test_every_check_has_a_catalogue():
 def test_every_coding_exercise_has_a_check_and_is_catalogued():
     for chapter in CHAPTERS:
         for cell in chapter.cells:
-            if cell.solution_of is None or "solution" not in cell.tags:
+            if cell.solution_of is None or SOLUTION not in cell.tags:
                 continue
             for check, _ in check_calls(cell.source):
                 assert check in CHECK_CELLS, f"{chapter.name}: {check} is called, never defined"

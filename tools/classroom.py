@@ -328,7 +328,8 @@ def assignment_note(notebook) -> str:
     plural = lambda n, word: f"{n} {word}{'s' * (n != 1)}"
     # graded_tests writes each test cell as `check_x.grade(...)`
     checks = [c.source.partition(".grade(")[0] for c in notebook.cells
-              if c.metadata.get("nbgrader", {}).get("grade") and not c.metadata["nbgrader"]["solution"]]
+              if c.metadata.get("nbgrader", {}).get("grade")
+              and not c.metadata["nbgrader"]["solution"]]
     functions = ", ".join(f"`{name}`" for name in dict.fromkeys(checks))
     return (
         f"**Assignment: {plural(points(graded), 'point')}.** "
