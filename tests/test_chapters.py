@@ -129,3 +129,30 @@ def test_chapter_notebook_has_the_setup_cell_after_the_title():
         source = jupytext.read(path).cells
         assert [c.source for c in notebook.cells[3:]] == [c.source for c in source[1:]]
         assert title.source + "\n\n" + after.source == source[0].source
+
+
+def test_a_warning_names_the_source_line(tmp_path):
+    """A broken reference in a chapter, built by Sphinx with myst-nb and _ext/chapter_setup.py
+    (execution off, so it takes seconds): the warning gives the line it has in the file."""
+    import subprocess
+    import sys
+
+    src = tmp_path / "src"
+    (src / "chapters").mkdir(parents=True)
+    (src / "conf.py").write_text(
+        f"import sys\nsys.path.insert(0, {str(ROOT / '_ext')!r})\n"
+        "extensions = ['myst_nb', 'chapter_setup']\n"
+        "nb_execution_mode = 'off'\nroot_doc = 'chapters/01-lines'\n")
+    front = numbered_chapters()[0].read_text().split("\n")
+    front = front[:front.index("---", 1) + 1]
+    lines = front + ["", "(ch-lines)=", "# Lines", "", "```{code-cell} ipython3", "x = 1", "```",
+                     "", "A broken reference: {ref}`no-such-label`."]
+    (src / "chapters" / "01-lines.md").write_text("\n".join(lines) + "\n")
+    proc = subprocess.run([sys.executable, "-m", "sphinx", "-b", "html", "-n", "-q", str(src),
+                           str(tmp_path / "out" / "html")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert f"01-lines.md:{len(lines)}: WARNING: undefined label: 'no-such-label'" in proc.stderr, (
+        proc.stderr)
+    loaded = tmp_path / "out" / "html" / ".doctrees" / "setup-cell.py"  # what the cell loads
+    assert loaded.read_text() == chapter_structure.setup_source()
