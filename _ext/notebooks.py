@@ -184,12 +184,11 @@ class Converter:
         label = ".".join(map(str, number)) + ("." if len(number) == 1 else "")
         return f"{hashes} {label} {convert_inline(title, self.res)}"
 
-    def render(self, lines: list[str], top: bool = False, tag: str | None = None,
-               out: list | None = None) -> list[tuple[str, str | None]]:
-        """Markdown for the lines, as (text, tag) segments in order, appended to ``out``: tag
-        is the cell tag of the segment (``tag``, or "exercise" for an exercise statement,
-        which is a segment of its own)."""
-        out = [] if out is None else out
+    def render(self, lines: list[str], top: bool = False,
+               tag: str | None = None) -> list[tuple[str, str | None]]:
+        """Markdown for the lines, as (text, tag) segments in order: tag is the cell tag of the
+        segment (``tag``, or "exercise" for an exercise statement, a segment of its own)."""
+        out: list[tuple[str, str | None]] = []
 
         def emit(text: str, kind: str | None = tag):
             if out and out[-1][1] == kind and kind != structure.EXERCISE:
@@ -301,16 +300,16 @@ def convert(md_path: Path, env, docname: str, glue: dict, executed=None):
             raise ConversionError(f"{docname}: executed notebook does not match the source")
     cells, code_index = [], 0
     for part in structure.parts(source):
-        solution = [structure.SOLUTION] if part.solution_of is not None else []
+        solution = structure.SOLUTION if part.solution_of is not None else None
         if part.cell.cell_type == "markdown":
-            out = converter.render(part.lines, top=True, tag=(solution or [None])[0])
-            for text, tag in out:
+            for text, tag in converter.render(part.lines, top=True, tag=solution):
                 if text.strip():
                     cells.append(markdown_cell(text, [tag] if tag else []))
             continue
         cell = part.cell
         tags = structure.tags(cell)
-        tags += [tag for tag in solution if tag not in tags]
+        if solution and solution not in tags:
+            tags.append(solution)
         if structure.imported_checks(cell.source):
             tags.append(structure.CHECK)
         new = nbformat.v4.new_code_cell(cell.source)
@@ -327,7 +326,8 @@ def convert(md_path: Path, env, docname: str, glue: dict, executed=None):
         if figure:
             number = res.number("figure", figure["name"])
             caption = convert_inline(" ".join(figure["caption"].split()), res)
-            cells.append(markdown_cell(f"**Fig. {number}.** {caption}", solution))
+            cells.append(markdown_cell(f"**Fig. {number}.** {caption}",
+                                       [solution] if solution else []))
     if converter.heading_index != len(converter.headings):
         raise ConversionError(f"{docname}: {converter.heading_index} headings for "
                               f"{len(converter.headings)} sections")
