@@ -11,10 +11,13 @@ cross-reference titles, citations, glued values) and writes two notebooks per ch
   these to chapters/, where the Colab and Binder launch buttons find them, and
   tests/test_book.py fails when the committed copies differ from what the build writes.
 
-Solutions become cells of their own tagged ``solution`` (the code cells of a solution already
-are), so tools/classroom.py can remove them for students. Numbers glued from cells tagged
-``wall-clock`` are timings that change on every run; the notebooks point at the cell output
-instead of freezing one build's measurement.
+Where the exercises, checks, solutions and the setup cell are comes from
+tools/chapter_structure.py, which also names the cell tags that mark them in the notebook: the
+setup cell (inserted after the title, as in the build) is tagged ``setup``, each exercise
+statement is a cell of its own tagged ``exercise``, a cell that imports a check ``check``, and
+every cell of a solution ``solution``, so that tools/classroom.py can find them. Numbers glued
+from cells tagged ``wall-clock`` are timings that change on every run; the notebooks point at
+the cell output instead of freezing one build's measurement.
 """
 
 from __future__ import annotations
@@ -24,13 +27,14 @@ import codecs
 import copy
 import json
 import re
+import sys
 from pathlib import Path
 
 import latexcodec  # noqa: F401  (registers the "ulatex" codec; sphinxcontrib-bibtex needs it)
 
-CHAPTER = re.compile(r"chapters/\d\d-[\w-]+$")
-FENCE = re.compile(r"^(`{3,}|:{3,})\{([\w:-]+)\}\s*(.*)$")
-PLAIN_FENCE = re.compile(r"^(`{3,}|~{3,})")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+import chapter_structure as structure  # noqa: E402
+
 ROLE = re.compile(r"\{([\w:-]+)\}`([^`]*)`")
 PROOF_TITLES = {"prf:definition": "Definition", "prf:lemma": "Lemma", "prf:theorem": "Theorem",
                 "prf:proposition": "Proposition", "prf:corollary": "Corollary",
@@ -164,11 +168,10 @@ def convert_inline(text: str, res: Resolver) -> str:
 
 
 class Converter:
-    """Rewrites the markdown cells of one chapter, cell by cell, in reading order."""
+    """Rewrites the markdown cells of one chapter, part by part, in reading order."""
 
     def __init__(self, res: Resolver, srcdir: Path):
         self.res, self.srcdir = res, srcdir
-        self.in_solution = False  # between {solution-start} and {solution-end}
         self.headings = list(res.env.toc_secnumbers[res.docname].values())
         self.heading_index = 0
 
@@ -181,62 +184,24 @@ class Converter:
         label = ".".join(map(str, number)) + ("." if len(number) == 1 else "")
         return f"{hashes} {label} {convert_inline(title, self.res)}"
 
-    @staticmethod
-    def options(lines: list[str]) -> tuple[dict[str, str], list[str]]:
-        opts, i = {}, 0
-        if lines and lines[0].strip() == "---":
-            end = lines.index("---", 1)
-            import yaml
-            opts = {k: str(v) for k, v in (yaml.safe_load("\n".join(lines[1:end])) or {}).items()}
-            i = end + 1
-        while i < len(lines) and re.match(r"^:[\w-]+:", lines[i]):
-            key, _, value = lines[i][1:].partition(":")
-            opts[key] = value.strip()
-            i += 1
-        return opts, lines[i:]
+    def render(self, lines: list[str], top: bool = False,
+               tag: str | None = None) -> list[tuple[str, str | None]]:
+        """Markdown for the lines, as (text, tag) segments in order: tag is the cell tag of the
+        segment (``tag``, or "exercise" for an exercise statement, a segment of its own)."""
+        out: list[tuple[str, str | None]] = []
 
-    def blocks(self, lines: list[str]):
-        """Split lines into ("text", lines) and ("directive", name, argument, body) items."""
-        i = 0
-        while i < len(lines):
-            line = lines[i]
-            fence = FENCE.match(line)
-            plain = PLAIN_FENCE.match(line)
-            if fence or plain:
-                marker = (fence or plain).group(1)
-                close = re.compile(rf"^{re.escape(marker[0])}{{{len(marker)}}}\s*$")
-                j = i + 1
-                while j < len(lines) and not close.match(lines[j]):
-                    j += 1
-                if j == len(lines):
-                    raise ConversionError(f"{self.res.docname}: unclosed fence {line!r}")
-                if fence:
-                    yield ("directive", fence.group(2), fence.group(3), lines[i + 1:j])
-                else:
-                    yield ("text", lines[i:j + 1], True)
-                i = j + 1
+        def emit(text: str, kind: str | None = tag):
+            if out and out[-1][1] == kind and kind != structure.EXERCISE:
+                out[-1] = (out[-1][0] + "\n" + text, kind)
             else:
-                yield ("text", [line], False)
-                i += 1
+                out.append((text, kind))
 
-    def render(self, lines: list[str], top: bool = False) -> list[tuple[str, bool]]:
-        """Markdown for the lines, as (text, is_solution) segments in order."""
-        out: list[tuple[str, bool]] = []
-
-        def emit(text: str, solution: bool | None = None):
-            flag = self.in_solution if solution is None else solution
-            if out and out[-1][1] == flag:
-                out[-1] = (out[-1][0] + "\n" + text, flag)
-            else:
-                out.append((text, flag))
-
-        for item in self.blocks(lines):
-            if item[0] == "text":
-                _, chunk, verbatim = item
-                if verbatim:
-                    emit("\n".join(chunk))
-                    continue
-                line = chunk[0]
+        for block in structure.blocks(lines):
+            if block.verbatim:
+                emit("\n".join(block.lines))
+                continue
+            if block.name is None:
+                line = block.lines[0]
                 if re.fullmatch(r"\(\S+\)=\s*", line):
                     continue  # a MyST target: the notebook has no use for it
                 if top and re.match(r"#{1,6}\s", line):
@@ -248,22 +213,21 @@ class Converter:
                     continue
                 emit(convert_inline(line, self.res))
                 continue
-            _, name, arg, body = item
-            opts, body = self.options(body)
+            name, arg = block.name, block.argument
+            opts, body = structure.options(block.body)
             if name == "solution-start":
-                number = self.res.number("exercise", arg.strip())
-                self.in_solution = True
-                emit(f"**Solution to Exercise {number}.**\n", True)
+                number = self.res.number("exercise", arg)
+                emit(structure.solution_heading(number) + "\n")
             elif name == "solution-end":
-                self.in_solution = False
+                pass
             elif name == "solution":
-                number = self.res.number("exercise", arg.strip())
-                text = self.text(body)
-                emit(f"**Solution to Exercise {number}.**\n\n{text}", True)
+                number = self.res.number("exercise", arg)
+                emit(f"{structure.solution_heading(number)}\n\n{self.text(body)}")
             elif name == "exercise":
                 number = self.res.number("exercise", opts["label"])
                 title = convert_inline(arg, self.res)
-                emit(f"#### Exercise {number}: {title}\n\n{self.text(body)}")
+                emit(structure.exercise_markdown(number, title, self.text(body)),
+                     structure.EXERCISE)
             elif name in PROOF_TITLES:
                 kind = name.split(":")[1]
                 number = self.res.number(kind, opts["label"]) if "label" in opts else ""
@@ -279,10 +243,11 @@ class Converter:
             elif name == "dropdown":
                 emit(f"**{convert_inline(arg, self.res)}**\n\n{self.text(body)}")
             elif name == "glue:math":
-                tag = f"\n\\tag{{{self.res.equation(opts['label'])}}}" if "label" in opts else ""
-                emit(f"$$\n{self.res.glue_math(arg.strip())}{tag}\n$$")
+                tag_line = (f"\n\\tag{{{self.res.equation(opts['label'])}}}"
+                            if "label" in opts else "")
+                emit(f"$$\n{self.res.glue_math(arg)}{tag_line}\n$$")
             elif name == "literalinclude":
-                emit(self.listing(arg.strip(), opts))
+                emit(self.listing(arg, opts))
             else:
                 raise ConversionError(f"{self.res.docname}: no conversion for {{{name}}}")
         return out
@@ -303,22 +268,6 @@ class Converter:
         return f"```python\n{source.rstrip()}\n```"
 
 
-def merged_streams(outputs) -> list:
-    """Outputs with consecutive prints to one stream joined, as the book shows them.
-
-    How a kernel splits a cell's printing into messages varies from run to run; joined, the
-    download notebook is the same on every build."""
-    merged = []
-    for output in copy.deepcopy(outputs):
-        previous = merged[-1] if merged else None
-        if (output.output_type == "stream" and previous is not None
-                and previous.output_type == "stream" and previous.name == output.name):
-            previous.text += output.text
-        else:
-            merged.append(output)
-    return merged
-
-
 def markdown_cell(source: str, tags: list[str]):
     import nbformat
     cell = nbformat.v4.new_markdown_cell(source.strip("\n"))
@@ -329,38 +278,47 @@ def markdown_cell(source: str, tags: list[str]):
 
 def convert(md_path: Path, env, docname: str, glue: dict, executed=None):
     """The chapter as a plain Jupyter notebook (outputs from ``executed`` when given)."""
-    import jupytext
     import nbformat
+    from nbconvert.preprocessors import CoalesceStreamsPreprocessor
 
-    source = jupytext.read(md_path)
+    source = structure.chapter_notebook(md_path)
     wall_clock = set()
     for cell in source.cells:
-        if cell.cell_type == "code" and "wall-clock" in cell.metadata.get("tags", []):
+        if cell.cell_type == "code" and "wall-clock" in structure.tags(cell):
             wall_clock.update(re.findall(r"glue\(\s*\"([^\"]+)\"", cell.source))
     res = Resolver(env, docname, glue, wall_clock)
     converter = Converter(res, Path(env.srcdir))
-    executed_code = [c for c in executed.cells if c.cell_type == "code"] if executed else None
-    if executed_code is not None:
+    executed_code = None
+    if executed is not None:
+        # Consecutive prints to one stream joined, as the book shows them: how a kernel splits
+        # a cell's printing into messages varies from run to run; joined, the download
+        # notebook is the same on every build.
+        executed, _ = CoalesceStreamsPreprocessor().preprocess(copy.deepcopy(executed), {})
+        executed_code = [c for c in executed.cells if c.cell_type == "code"]
         wanted = [c.source for c in source.cells if c.cell_type == "code"]
         if [c.source for c in executed_code] != wanted:
             raise ConversionError(f"{docname}: executed notebook does not match the source")
     cells, code_index = [], 0
-    for cell in source.cells:
-        if cell.cell_type == "markdown":
-            for text, solution in converter.render(cell.source.splitlines(), top=True):
+    for part in structure.parts(source):
+        solution = structure.SOLUTION if part.solution_of is not None else None
+        if part.cell.cell_type == "markdown":
+            for text, tag in converter.render(part.lines, top=True, tag=solution):
                 if text.strip():
-                    cells.append(markdown_cell(text, ["solution"] if solution else []))
+                    cells.append(markdown_cell(text, [tag] if tag else []))
             continue
-        tags = list(cell.metadata.get("tags", []))
-        if converter.in_solution and "solution" not in tags:
-            tags.append("solution")
+        cell = part.cell
+        tags = structure.tags(cell)
+        if solution and solution not in tags:
+            tags.append(solution)
+        if structure.imported_checks(cell.source):
+            tags.append(structure.CHECK)
         new = nbformat.v4.new_code_cell(cell.source)
         if tags:
             new.metadata["tags"] = tags
         if {"remove-cell", "remove-input", "hide-input"} & set(tags):
             new.metadata["jupyter"] = {"source_hidden": True}  # folded, as in the book
         if executed_code is not None:
-            new.outputs = merged_streams(executed_code[code_index].outputs)
+            new.outputs = executed_code[code_index].outputs
             new.execution_count = executed_code[code_index].execution_count
         code_index += 1
         cells.append(new)
@@ -369,7 +327,7 @@ def convert(md_path: Path, env, docname: str, glue: dict, executed=None):
             number = res.number("figure", figure["name"])
             caption = convert_inline(" ".join(figure["caption"].split()), res)
             cells.append(markdown_cell(f"**Fig. {number}.** {caption}",
-                                       ["solution"] if converter.in_solution else []))
+                                       [solution] if solution else []))
     if converter.heading_index != len(converter.headings):
         raise ConversionError(f"{docname}: {converter.heading_index} headings for "
                               f"{len(converter.headings)} sections")
@@ -420,7 +378,7 @@ def write_notebooks(app, exception) -> None:
 
     out = Path(app.outdir)
     execute_dir = out.parent / "jupyter_execute"
-    chapters = [doc for doc in sorted(app.env.found_docs) if CHAPTER.match(doc)]
+    chapters = [doc for doc in sorted(app.env.found_docs) if structure.CHAPTER_DOC.match(doc)]
     written = [out.parent / "notebooks" / f"{doc}.ipynb" for doc in chapters]
     if not getattr(app, "_notebooks_docs_read", 1) and all(p.exists() for p in written):
         return  # no page was read again, so nothing a notebook is made from has changed

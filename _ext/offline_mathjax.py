@@ -65,7 +65,7 @@ def copy_mathjax(app: Sphinx, exception: Exception | None) -> None:
     target = pathlib.Path(app.outdir) / "_static" / TARGET
     for rel in files_to_copy():
         ensuredir(target / rel.parent)
-        copyfile(SOURCE / rel, target / rel, __overwrite_warning__=False)  # no-op when identical
+        copyfile(SOURCE / rel, target / rel)  # a no-op when the copy is already identical
 
 
 def setup(app: Sphinx) -> dict:

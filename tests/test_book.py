@@ -125,3 +125,22 @@ def test_launch_and_download_buttons_give_the_notebooks(build):
         outputs = [o for c in download.cells if c.cell_type == "code"
                    and "raises-exception" not in c.metadata.get("tags", []) for o in c.outputs]
         assert outputs and all(o.output_type != "error" for o in outputs)
+
+
+def test_the_build_executes_the_setup_cell_first(build):
+    """No source holds the setup cell (tests/test_chapters.py); the build inserts it
+    (_ext/chapter_setup.py) and executes it before any cell of the chapter, and the page shows
+    nothing of it."""
+    import chapter_structure
+
+    _, _, out = build
+    for path in classroom.numbered_chapters():
+        name = path.stem
+        executed = nbformat.read(out / "jupyter_execute" / "chapters" / f"{name}.ipynb", 4)
+        code = [c for c in executed.cells if c.cell_type == "code"]
+        assert code[0].source == chapter_structure.setup_source(), name
+        assert code[0].execution_count == 1, name
+        printed = "".join(o.get("text", "") for o in code[0].outputs)
+        assert printed.startswith(f"torch {chapter_structure.torch_pin()}"), (name, printed)
+        html = (out / "html" / "chapters" / f"{name}.html").read_text()
+        assert "Setup, hidden in the book" not in html and "BOOK_TORCH" not in html, name

@@ -7,13 +7,12 @@ import re
 
 import pytest
 
-from classroom import numbered_chapters, setup_cell
+import chapter_structure
+from classroom import numbered_chapters
 from conftest import toc_docs
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CHAPTERS = ROOT / "chapters"
-
-SETUP_CELL = setup_cell()  # tools/classroom.py renders it with the URL from _config.yml
 
 
 def test_toc_and_chapter_folder_agree():
@@ -39,12 +38,14 @@ def test_bibliography_keys_exist():
 
 @pytest.mark.parametrize("path", numbered_chapters(), ids=lambda p: p.stem)
 class TestChapter:
-    def test_setup_cell_is_the_shared_one(self, path):
+    def test_source_has_no_setup_cell(self, path):
+        """The setup cell is inserted by the build and the notebook writer, from
+        tools/chapter_structure.py's one template; a source holds none of it."""
         text = path.read_text()
-        first = text.index("```{code-cell}")
-        assert text[first:first + len(SETUP_CELL)] == SETUP_CELL, (
-            "the first cell differs from tools/classroom.py's template (after changing "
-            "_config.yml's repository, run `python tools/classroom.py setup-cell`)")
+        for line in chapter_structure.setup_source().splitlines()[:7]:
+            assert line not in text, f"{path.name} holds a line of the setup cell: {line!r}"
+        assert not any(chapter_structure.SETUP in cell.tags
+                       for cell in chapter_structure.read_source(path).cells)
 
     def test_imports_the_module_and_defines_no_copy(self, path):
         text = path.read_text()
@@ -74,16 +75,15 @@ class TestChapter:
             assert "caption:" in block and ("alt:" in block or "\nexplorable(" in block), block[:200]
 
     def test_has_exercises_with_solutions(self, path):
-        text = path.read_text()
-        exercises = re.findall(r"```\{exercise\}[^\n]*\n:label: (\S+)", text)
-        assert len(exercises) >= 3
-        for label in exercises:
-            assert re.search(rf"\{{solution(-start)?\}} {label}\n:class: dropdown", text), (
-                f"{label} has no collapsed solution"
-            )
-        assert re.search(r"```\{solution-start\}(?:.|\n)*?```\{code-cell\}", text), (
-            "no solution with code: at least one coding exercise must check itself"
-        )
+        source = chapter_structure.read_source(path)
+        assert len(source.exercises) >= 3
+        for exercise in source.exercises:
+            assert exercise.solution is not None, f"{exercise.label} has no solution"
+            assert exercise.solution.get("class") == "dropdown", (
+                f"{exercise.label} has no collapsed solution")
+        assert any(cell.solution_of and chapter_structure.check_calls(cell.source)
+                   for cell in source.cells), (
+            "no solution with code: at least one coding exercise must check itself")
 
     def test_timing_cells_are_tagged_wall_clock(self, path):
         # A cell that measures running time gives different numbers on every build; the tag
@@ -91,3 +91,71 @@ class TestChapter:
         text = path.read_text()
         if re.search(r"perf_counter|time\.time\(|timeit", text):
             assert re.search(r"tags: \[[^\]]*wall-clock", text), "timing cell without a wall-clock tag"
+
+
+@pytest.mark.parametrize("path", numbered_chapters(), ids=lambda p: p.stem)
+def test_build_inserts_the_setup_cell_first_and_keeps_every_line_number(path, tmp_path):
+    """What Sphinx reads (_ext/chapter_setup.py): myst-nb finds the setup cell first, with the
+    template's code, and every other cell at the source line it starts on in the file, so a
+    warning's line number is the file's."""
+    from myst_nb.core.read import read_myst_markdown_notebook
+
+    setup_file = tmp_path / "setup-cell.py"
+    setup_file.write_text(chapter_structure.setup_source())
+    text = path.read_text()
+    read = chapter_structure.with_setup_cell(text, str(setup_file))
+    front = text.split("\n").index("---", 1)
+    assert read.split("\n")[front + 1:] == text.split("\n")[front + 1:]
+    original = read_myst_markdown_notebook(text, add_source_map=True)
+    built = read_myst_markdown_notebook(read, add_source_map=True, path=str(path))
+    setup, *cells = built.cells
+    assert setup.cell_type == "code" and setup.source == chapter_structure.setup_source()
+    assert setup.metadata["tags"] == ["remove-cell", chapter_structure.SETUP]
+    assert built.metadata["kernelspec"] == original.metadata["kernelspec"]
+    assert [c.source for c in cells] == [c.source for c in original.cells]
+    assert built.metadata["source_map"][1:] == original.metadata["source_map"]
+    first_code = next(i for i, c in enumerate(original.cells) if c.cell_type == "code")
+    line = original.metadata["source_map"][first_code]  # the line after its opening fence
+    assert text.split("\n")[line - 1].startswith("```{code-cell}")
+
+
+def test_chapter_notebook_has_the_setup_cell_after_the_title():
+    """What the notebook writer starts from: title, setup cell, then the chapter."""
+    import jupytext
+
+    for path in numbered_chapters():
+        notebook = chapter_structure.chapter_notebook(path)
+        title, setup, after = notebook.cells[:3]
+        assert re.fullmatch(r"\(ch-[a-z-]+\)=\n# .+", title.source), title.source
+        assert chapter_structure.is_setup(setup)
+        assert setup.source == chapter_structure.setup_source()
+        source = jupytext.read(path).cells
+        assert [c.source for c in notebook.cells[3:]] == [c.source for c in source[1:]]
+        assert title.source + "\n\n" + after.source == source[0].source
+
+
+def test_a_warning_names_the_source_line(tmp_path):
+    """A broken reference in a chapter, built by Sphinx with myst-nb and _ext/chapter_setup.py
+    (execution off, so it takes seconds): the warning gives the line it has in the file."""
+    import subprocess
+    import sys
+
+    src = tmp_path / "src"
+    (src / "chapters").mkdir(parents=True)
+    (src / "conf.py").write_text(
+        f"import sys\nsys.path.insert(0, {str(ROOT / '_ext')!r})\n"
+        "extensions = ['myst_nb', 'chapter_setup']\n"
+        "nb_execution_mode = 'off'\nroot_doc = 'chapters/01-lines'\n")
+    front = numbered_chapters()[0].read_text().split("\n")
+    front = front[:front.index("---", 1) + 1]
+    lines = front + ["", "(ch-lines)=", "# Lines", "", "```{code-cell} ipython3", "x = 1", "```",
+                     "", "A broken reference: {ref}`no-such-label`."]
+    (src / "chapters" / "01-lines.md").write_text("\n".join(lines) + "\n")
+    proc = subprocess.run([sys.executable, "-m", "sphinx", "-b", "html", "-n", "-q", str(src),
+                           str(tmp_path / "out" / "html")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert f"01-lines.md:{len(lines)}: WARNING: undefined label: 'no-such-label'" in proc.stderr, (
+        proc.stderr)
+    loaded = tmp_path / "out" / "html" / ".doctrees" / "setup-cell.py"  # what the cell loads
+    assert loaded.read_text() == chapter_structure.setup_source()

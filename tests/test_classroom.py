@@ -17,10 +17,10 @@ import subprocess
 import sys
 import threading
 
-import jupytext
 import nbformat
 import pytest
 
+import chapter_structure as structure
 import classroom
 import explorable
 
@@ -44,7 +44,7 @@ class TestChapterNotebook:
     def test_code_cells_are_the_chapters(self, path):
         # The markdown is checked against a fresh build in tests/test_book.py; the code, which
         # is what runs in Colab, can be checked without one.
-        source = [c.source for c in jupytext.read(path.with_suffix(".md")).cells
+        source = [c.source for c in structure.chapter_notebook(path.with_suffix(".md")).cells
                   if c.cell_type == "code"]
         notebook = [c.source for c in read(path).cells if c.cell_type == "code"]
         assert notebook == source, f"{path.name} is stale: run `make notebooks`"
@@ -68,14 +68,17 @@ def test_code_files_are_every_file_of_code():
     assert classroom.CODE_FILES[0] == "attention.py" and classroom.CODE_FILES[-1] == "checks.py"
 
 
-def test_setup_cell_fetches_from_the_configured_repository():
+def test_every_notebook_starts_with_the_setup_cell_from_the_configured_repository():
+    """Colab needs the whole setup cell in the notebook: after the title, tagged setup, folded."""
     repo = classroom.repository()
     assert repo["raw"].startswith(f"https://raw.githubusercontent.com/{repo['org']}/{repo['repo']}/")
-    # The template, rendered with _config.yml's address, less its MyST fence and tag lines.
-    expected = "\n".join(classroom.setup_cell().splitlines()[2:-1])
+    expected = structure.setup_source()  # the template, with _config.yml's address
     assert f'"{repo["raw"]}"' in expected
     for path in NOTEBOOKS:
-        assert read(path).cells[1].source == expected, path.name
+        cells = read(path).cells
+        assert [structure.is_setup(c) for c in cells].index(True) == 1, path.name
+        assert cells[1].source == expected, path.name
+        assert cells[1].metadata["jupyter"] == {"source_hidden": True}
 
 
 def test_readme_badges_follow_config():
@@ -106,7 +109,8 @@ def test_binder_pins_cpu_torch_at_the_books_versions():
                *(name.removesuffix(".py") for name in classroom.CODE_FILES)}
     stdlib = set(sys.stdlib_module_names)
     for path in MD:
-        code = "\n".join(c.source for c in jupytext.read(path).cells if c.cell_type == "code")
+        code = "\n".join(c.source for c in structure.chapter_notebook(path).cells
+                         if c.cell_type == "code")
         for module in re.findall(r"^\s*(?:from|import) (\w+)", code, re.M):
             assert module in allowed | stdlib, f"{path.name} imports {module}"
 
@@ -125,8 +129,8 @@ def solution_functions(path):
     """{name: body} of every function that the notebook's solution cells define."""
     found = {}
     for cell in read(path).cells:
-        if cell.cell_type == "code" and "solution" in cell.metadata.get("tags", []):
-            for kind, chunk in classroom._split_solution(cell.source):
+        if cell.cell_type == "code" and structure.is_solution(cell):
+            for kind, chunk in structure.split_solution(cell.source):
                 if kind == "def":
                     found[chunk[3]] = "\n".join(chunk[1])
     return found
@@ -137,12 +141,12 @@ def test_student_notebook_has_no_solution(student, path):
     notebook = student[path.stem]
     text = "\n".join(c.source for c in notebook.cells)
     for cell in notebook.cells:
-        assert "solution" not in cell.metadata.get("tags", [])
+        assert not structure.is_solution(cell)
     assert "Solution to Exercise" not in text
     stubbed = {}
     for cell in notebook.cells:
         if cell.cell_type == "code" and "# YOUR CODE HERE" in cell.source:
-            for kind, chunk in classroom._split_solution(cell.source):
+            for kind, chunk in structure.split_solution(cell.source):
                 if kind == "def":
                     stubbed[chunk[3]] = chunk[1]
     for name, body in solution_functions(path).items():
@@ -157,14 +161,17 @@ def test_student_notebook_has_no_solution(student, path):
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_student_notebook_keeps_checks_and_stubs(student, path):
     notebook = student[path.stem]
-    code = [c.source for c in notebook.cells if c.cell_type == "code"]
-    checks = [c for c in code if c.startswith(("def check_", "from checks import check_"))]
-    assert checks, "the chapter's checks are missing"
-    stubs = [c for c in code if "# YOUR CODE HERE" in c]
+    code = [c for c in notebook.cells if c.cell_type == "code"]
+    checks = [c for c in code if structure.CHECK in structure.tags(c)]
+    assert checks and all(c.source.startswith("from checks import check_") for c in checks), (
+        "the chapter's checks are missing")
+    stubs = [i for i, c in enumerate(code) if structure.STUB in structure.tags(c)]
     assert len(stubs) >= 1
-    for stub in stubs:  # each stub is followed by the call of its check
-        following = code[code.index(stub) + 1]
-        assert re.fullmatch(r"(check_\w+\([\w, ]+\)\n?)+", following), following
+    assert stubs == [i for i, c in enumerate(code) if "# YOUR CODE HERE" in c.source]
+    for index in stubs:  # each stub is followed by the call of its check
+        following = code[index + 1]
+        assert structure.tags(following) == [structure.CHECK_CALL]
+        assert re.fullmatch(r"(check_\w+\([\w, ]+\)\n?)+", following.source), following.source
     assert notebook.cells[0].source.startswith("# "), "the title comes first"
     assert "Student version" in notebook.cells[1].source
 
@@ -211,14 +218,14 @@ def test_every_exercise_has_a_graded_cell(course):
     """An autograded test after a coding exercise, an answer graded by hand after any other."""
     for path in NOTEBOOKS:
         chapter = read(path)
-        numbers = [ex["number"] for ex in classroom.exercises(chapter)]
+        numbers = [ex.number for ex in structure.exercises(chapter)]
         directives = path.with_suffix(".md").read_text().count("```{exercise}")
         assert len(numbers) == directives, (path.name, numbers)
         graded = classroom.graded_by_exercise(read(course / "source" / path.stem / path.name))
         assert sorted(graded) == sorted(numbers), (path.name, graded, numbers)
         key = (course / "answer-key" / f"{path.stem}.md").read_text()
-        for ex in classroom.exercises(chapter):
-            assert f"## Exercise {ex['number']}: {ex['title']}" in key
+        for ex in structure.exercises(chapter):
+            assert f"## Exercise {ex.number}: {ex.title}" in key
 
 
 def make(target: str, course: pathlib.Path, assignment: str = "") -> str:
@@ -376,8 +383,7 @@ def test_nbgrader_grades_reference_full_and_blank_below(graded, student, path):
     for cell in manual:
         assert cell.source in (classroom.STUB_BODY, "YOUR ANSWER HERE"), cell.source
     released = [c.source for c in answers if not c.metadata["nbgrader"]["grade"]]
-    stubs = [c.source for c in student[path.stem].cells
-             if c.cell_type == "code" and "# YOUR CODE HERE" in c.source]
+    stubs = [c.source for c in student[path.stem].cells if structure.STUB in structure.tags(c)]
     assert released == stubs
 
 
@@ -413,7 +419,10 @@ def run_alone(path: pathlib.Path, folder: pathlib.Path):
 
 def comparable(outputs) -> list:
     """A cell's outputs as a reader sees them: consecutive prints joined, glue records (which
-    only myst_nb writes) and execution counts left out, an error by its name and message."""
+    only myst_nb writes) and execution counts left out, an error by its name and message.
+
+    nbconvert's CoalesceStreamsPreprocessor (which _ext/notebooks.py uses) joins the prints
+    too, but it would keep the repeated tail described below, so the joining is done here."""
     seen = []
     for output in outputs:
         kind = output["output_type"]
@@ -495,7 +504,7 @@ def test_setup_cell_says_what_to_do_when_the_fetch_fails(tmp_path):
     from nbclient.exceptions import CellExecutionError
 
     setup = read(NOTEBOOKS[0]).cells[1]
-    assert setup.source.startswith("# Setup, hidden in the book")
+    assert structure.is_setup(setup)
     folder = tmp_path / "alone"
     folder.mkdir()
     notebook = nbformat.v4.new_notebook(cells=[setup])
@@ -625,9 +634,9 @@ def test_instructors_table_lists_every_exercise_with_its_points():
         sheet = classroom.nbgrader_source(classroom.exercise_sheet(chapter))
         points = {number: sum(meta["points"] for meta in cells)
                   for number, cells in classroom.graded_by_exercise(sheet).items()}
-        for ex in classroom.exercises(chapter):
-            expected.append((ex["number"], ex["title"], "auto" if ex["coding"] else "by hand",
-                             str(points[ex["number"]])))
+        for ex in structure.exercises(chapter):
+            expected.append((ex.number, ex.title, "auto" if ex.coding else "by hand",
+                             str(points[ex.number])))
     assert [(n, t, g, p) for n, t, _, g, p, _ in rows] == expected
     for number, _, kind, graded, _, minutes in rows:
         assert (kind == "code") == (graded == "auto"), number
@@ -647,14 +656,13 @@ def test_course_plan_merges_chapters_leaves_out_and_sets_points(tmp_path):
     assert [p.relative_to(tmp_path).as_posix() for p in written] == [
         "source/week-1/week-1.ipynb"]
     notebook = read(written[0])
-    numbers = [ex["number"] for ex in classroom.exercises(notebook)]
+    numbers = [ex.number for ex in structure.exercises(notebook)]
     assert numbers == ["1.1", "1.3", "1.4", "2.1", "2.2", "2.3", "2.4"]
     points = {number: sum(meta["points"] for meta in cells)
               for number, cells in classroom.graded_by_exercise(notebook).items()}
     assert points["1.1"] == 3 and points["2.3"] == 10 and "1.2" not in points
     assert points["1.3"] == classroom.WRITTEN_POINTS
-    sources = [c.source for c in notebook.cells]
-    assert sum(s.startswith("# Setup, hidden in the book") for s in sources) == 1
+    assert sum(map(structure.is_setup, notebook.cells)) == 1
     assert (tmp_path / "course.example.yml").is_file()
     assert (tmp_path / "answer-key" / "01-intuition.md").is_file()
     classroom.nbgrader(tmp_path, "generate_assignment", "week-1", "--force")
@@ -686,8 +694,9 @@ def test_student_folder_runs_offline(student, tmp_path):
         assert (folder / name).read_text() == (ROOT / "code" / name).read_text()
     path = folder / NOTEBOOKS[0].name
     notebook = read(path)
-    check_import = next(c for c in notebook.cells if c.source.startswith("from checks import"))
-    notebook.cells = [notebook.cells[0], notebook.cells[2], check_import]  # title, setup, import
+    check_import = next(c for c in notebook.cells if structure.CHECK in structure.tags(c))
+    setup = next(c for c in notebook.cells if structure.is_setup(c))
+    notebook.cells = [notebook.cells[0], setup, check_import]  # title, setup, import
     nowhere = (tmp_path / "nowhere" / "attention.py").as_uri()
     NotebookClient(notebook, timeout=60, kernel_name="python3",
                    resources={"metadata": {"path": str(folder)}}).execute(

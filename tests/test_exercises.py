@@ -7,7 +7,7 @@ one by one, which a chapter imports (`from checks import check_xxx`); no chapter
 check of its own. Here each check must
 
 * accept the reference solution, and other correct ways of writing it;
-* reject the stub a student starts from (tools/classroom.py, `stub_code`) with a message
+* reject the stub a student starts from (tools/chapter_structure.py, `stub_code`) with a message
   saying the function is not written yet;
 * reject every wrong answer of the catalogue below with a message that names the mistake;
 * give every wrong answer part of the points (it passes some case and fails
@@ -22,8 +22,7 @@ from __future__ import annotations
 
 import ast
 import math
-import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -34,7 +33,9 @@ import checks
 import flash
 import position
 from attention import causal_mask, padding_mask, scaled_dot_product_attention, softmax
-from classroom import numbered_chapters, stub_code
+from chapter_structure import (SOLUTION, CodeCell, check_calls, imported_checks, read_source,
+                               stub_code)
+from classroom import numbered_chapters
 
 torch.set_num_threads(1)
 
@@ -47,83 +48,12 @@ SOLUTION_GLOBALS = {"torch": torch, "math": math, "F": F,
 
 
 # ---------------------------------------------------------------------------------------------
-# Reading the chapters
-
-# A MyST directive: its fence, name, argument and body; the closing fence has the same length.
-DIRECTIVE = re.compile(r"^(`{3,})\{([\w-]+)\}([^\n]*)\n(.*?)^\1[ \t]*$", re.S | re.M)
-
-
-@dataclass
-class CodeCell:
-    chapter: str
-    source: str
-    tags: list[str]
-    solution_of: str | None  # the exercise label of the gated solution around it, if any
-
-
-@dataclass
-class Exercise:
-    chapter: str
-    label: str
-    text: str
-
-
-@dataclass
-class Chapter:
-    name: str
-    cells: list[CodeCell] = field(default_factory=list)
-    exercises: list[Exercise] = field(default_factory=list)
-
-
-def _options(body: str) -> tuple[dict[str, str], str]:
-    """Split the `:key: value` option lines off the top of a directive body."""
-    options, lines = {}, body.splitlines()
-    while lines and re.match(r":[\w-]+:", lines[0]):
-        key, _, value = lines.pop(0)[1:].partition(":")
-        options[key] = value.strip()
-    return options, "\n".join(lines) + "\n"
-
-
-def read_chapter(path) -> Chapter:
-    chapter = Chapter(path.stem)
-    gated = None
-    for match in DIRECTIVE.finditer(path.read_text()):
-        _, name, argument, body = match.groups()
-        options, source = _options(body)
-        if name == "solution-start":
-            gated = argument.strip()
-        elif name == "solution-end":
-            gated = None
-        elif name == "exercise":
-            chapter.exercises.append(Exercise(path.stem, options.get("label", ""), source))
-        elif name == "code-cell":
-            tags = [t.strip() for t in options.get("tags", "").strip("[]").split(",") if t.strip()]
-            chapter.cells.append(CodeCell(path.stem, source, tags, gated))
-    return chapter
+# Reading the chapters (tools/chapter_structure.py reads them for the build and the notebooks)
 
 
 def defined_checks(cell: CodeCell) -> list[str]:
     """The check_* functions a visible cell imports from code/checks.py."""
-    if cell.solution_of is not None or "check_" not in cell.source:
-        return []
-    tree = ast.parse(cell.source)
-    return [alias.name for node in tree.body if isinstance(node, ast.ImportFrom)
-            and node.module == "checks" for alias in node.names
-            if alias.name.startswith("check_")]
-
-
-def check_calls(source: str) -> list[tuple[str, list[str]]]:
-    """(check name, argument names) of each top-level call of a check_* function."""
-    calls = []
-    if "check_" not in source:
-        return calls
-    for node in ast.parse(source).body:
-        if (isinstance(node, ast.Expr) and isinstance(node.value, ast.Call)
-                and isinstance(node.value.func, ast.Name)
-                and node.value.func.id.startswith("check_")):
-            args = [arg.id for arg in node.value.args if isinstance(arg, ast.Name)]
-            calls.append((node.value.func.id, args))
-    return calls
+    return [] if cell.solution_of is not None else imported_checks(cell.source)
 
 
 def definitions_only(source: str) -> str:
@@ -134,7 +64,7 @@ def definitions_only(source: str) -> str:
     return ast.unparse(tree)
 
 
-CHAPTERS = [read_chapter(path) for path in numbered_chapters()]
+CHAPTERS = [read_source(path) for path in numbered_chapters()]
 
 CHECK_CELLS: dict[str, CodeCell] = {}  # check name -> the cell that defines it
 for _chapter in CHAPTERS:
@@ -153,7 +83,7 @@ class Reference:
 REFERENCES: dict[str, Reference] = {}  # check name -> the solution cell that calls it
 for _chapter in CHAPTERS:
     for _cell in _chapter.cells:
-        if _cell.solution_of is None or "solution" not in _cell.tags:
+        if _cell.solution_of is None or SOLUTION not in _cell.tags:
             continue
         for _name, _args in check_calls(_cell.source):
             REFERENCES.setdefault(_name, Reference(_cell, _args))
@@ -1918,7 +1848,7 @@ def test_every_check_has_a_catalogue():
 def test_every_coding_exercise_has_a_check_and_is_catalogued():
     for chapter in CHAPTERS:
         for cell in chapter.cells:
-            if cell.solution_of is None or "solution" not in cell.tags:
+            if cell.solution_of is None or SOLUTION not in cell.tags:
                 continue
             for check, _ in check_calls(cell.source):
                 assert check in CHECK_CELLS, f"{chapter.name}: {check} is called, never defined"

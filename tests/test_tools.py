@@ -80,3 +80,90 @@ def test_publishing_workflow_tests_then_deploys_the_book():
     assert upload["with"]["path"] == "_build/html"
     assert deploy["permissions"] == {"pages": "write", "id-token": "write"}
     assert "refs/heads/main" in deploy["if"]
+
+
+# ---------------------------------------------------------------------------------------------
+# The patches of tools/build_book.py, each against the pinned version it works around. Each
+# test fails when upstream changes what made its patch necessary: then drop the patch (and the
+# test), or adapt it.
+
+
+def test_jupyter_book_cli_still_has_no_jobs_option():
+    """build_book.pass_jobs: `jupyter-book build` cannot ask Sphinx for several processes."""
+    import inspect
+
+    import jupyter_book.sphinx
+    from jupyter_book.cli.main import build
+
+    options = {opt for param in build.params for opt in param.opts}
+    assert not options & {"-j", "--jobs", "--parallel"}, (
+        "jupyter-book build takes jobs now: drop build_book.pass_jobs and pass the option")
+    assert "jobs" in inspect.signature(jupyter_book.sphinx.build_sphinx).parameters, (
+        "build_sphinx no longer takes jobs: build_book.pass_jobs does nothing")
+
+
+def test_multitoc_numbering_still_does_not_declare_parallel_safety():
+    """build_book.declare_multitoc_numbering_parallel_safe."""
+    from sphinx.environment.collectors.toctree import TocTreeCollector
+
+    import sphinx_multitoc_numbering
+
+    class App:
+        def connect(self, *args, **kwargs):
+            pass
+
+    saved = TocTreeCollector.assign_section_numbers  # its setup() replaces this method
+    try:
+        metadata = sphinx_multitoc_numbering.setup(App()) or {}
+    finally:
+        TocTreeCollector.assign_section_numbers = saved
+    assert "parallel_read_safe" not in metadata, (
+        "sphinx-multitoc-numbering declares parallel safety now: drop "
+        "build_book.declare_multitoc_numbering_parallel_safe")
+
+
+def test_the_book_does_not_load_jupyterbook_latex():
+    """_config.yml's latex.use_jupyterbook_latex: false keeps out an extension that only serves
+    the LaTeX builder and does not declare parallel safety; multitoc numbering stays."""
+    from jupyter_book.config import get_final_config
+
+    config, _ = get_final_config(user_yaml=ROOT / "_config.yml", sourcedir=ROOT,
+                                 cli_config={"latex_individualpages": False})
+    assert "sphinx_jupyterbook_latex" not in config["extensions"]
+    assert "sphinx_multitoc_numbering" in config["extensions"]
+
+
+def test_proof_domain_still_lacks_merge_domaindata():
+    """build_book.merge_proof_domain: sphinx-proof says it is parallel safe, and its domain
+    still has the base class's merge_domaindata, which raises."""
+    from sphinx.domains import Domain
+    from sphinx_proof.domain import ProofDomain
+
+    assert ProofDomain.merge_domaindata is Domain.merge_domaindata, (
+        "sphinx-proof merges its domain data now: drop build_book.merge_proof_domain")
+
+
+def test_sphinx_still_reads_in_equal_batches():
+    """build_book.one_page_per_chunk: Sphinx still hands each process a batch of pages fixed
+    up front, and its builder still finds the function by the name the patch replaces."""
+    import inspect
+
+    import sphinx.builders
+    from sphinx.util.parallel import make_chunks
+
+    pages = [f"page{i}" for i in range(14)]
+    assert max(len(chunk) for chunk in make_chunks(pages, 2)) > 1, (
+        "Sphinx reads one page per batch now: drop build_book.one_page_per_chunk")
+    assert "make_chunks(docnames, nproc)" in inspect.getsource(
+        sphinx.builders.Builder._read_parallel), "the builder reads differently now"
+    assert sphinx.builders.make_chunks is make_chunks
+
+
+def test_build_book_patches_only_when_run():
+    """Importing tools/build_book.py changes nothing; its patches apply when it runs."""
+    from sphinx.domains import Domain
+    from sphinx_proof.domain import ProofDomain
+
+    import build_book  # noqa: F401
+
+    assert ProofDomain.merge_domaindata is Domain.merge_domaindata

@@ -1,12 +1,17 @@
 """`jupyter-book build`, with the chapters executed in parallel.
 
 Jupyter Book 1 runs Sphinx with one process; its command line has no `-j`. Every extension
-the book uses declares itself safe for parallel reading, and reading a chapter is where its
-notebook executes, so asking Sphinx for several processes runs several chapters at once.
+the book uses declares itself safe for parallel reading (or is declared so below), and reading
+a chapter is where its notebook executes, so asking Sphinx for several processes runs several
+chapters at once.
 
     python tools/build_book.py [jupyter-book build arguments ...]
 
 The number of processes is $BOOK_JOBS, by default the number of cores.
+
+Every change this makes to the code of another project is in `patch()` below, one function
+per patch, each with its reason and the upstream change that would let it go. Each has a test
+in tests/test_tools.py that fails once the pinned version no longer needs it.
 """
 
 from __future__ import annotations
@@ -15,61 +20,74 @@ import functools
 import os
 import sys
 
-import jupyter_book.sphinx
-import sphinx.builders
-import sphinx_jupyterbook_latex
-import sphinx_multitoc_numbering
-from sphinx_proof.domain import ProofDomain
-from jupyter_book.cli.main import main
 
-jobs = int(os.environ.get("BOOK_JOBS") or os.cpu_count() or 1)
-# The CLI imports build_sphinx from jupyter_book.sphinx when it runs, so this takes effect.
-jupyter_book.sphinx.build_sphinx = functools.partial(jupyter_book.sphinx.build_sphinx, jobs=jobs)
+def pass_jobs(jobs: int) -> None:
+    """Jupyter Book's CLI calls `jupyter_book.sphinx.build_sphinx` without `jobs`, although
+    the function takes it and hands it to Sphinx. The CLI imports the function when it runs, so
+    replacing the module attribute reaches it. Upstream: a `--jobs` option of `jupyter-book
+    build` (jupyter-book/jupyter-book#1735; the pull request #1955 was closed unmerged)."""
+    import jupyter_book.sphinx
+
+    jupyter_book.sphinx.build_sphinx = functools.partial(jupyter_book.sphinx.build_sphinx,
+                                                         jobs=jobs)
 
 
-def _declare_parallel_safe(module):
-    """Make ``module``'s Sphinx extension say it is safe for parallel reading.
+def declare_multitoc_numbering_parallel_safe() -> None:
+    """sphinx-multitoc-numbering, which Jupyter Book loads for numbering across parts, does
+    not say whether it is parallel safe, so Sphinx would read serially with a warning (an
+    error under -W). It is safe: it only replaces the method that assigns section numbers,
+    which Sphinx calls in the main process after the parallel reads are merged. Upstream:
+    `parallel_read_safe` in its setup() (executablebooks/sphinx-multitoc-numbering#27)."""
+    import sphinx_multitoc_numbering
 
-    Two extensions that Jupyter Book always loads do not say, so Sphinx would fall back to a
-    serial read with a warning (an error under -W). Both are safe: sphinx-multitoc-numbering
-    only replaces the method that assigns section numbers, which Sphinx calls in the main
-    process after the parallel reads are merged; sphinx-jupyterbook-latex only adds node
-    types and transforms for the LaTeX builder and keeps nothing in the environment.
-    """
-    setup = module.setup
+    setup = sphinx_multitoc_numbering.setup
 
     def parallel_safe_setup(app):
         metadata = setup(app) or {}
         return {**metadata, "parallel_read_safe": True, "parallel_write_safe": True}
 
-    module.setup = parallel_safe_setup
+    sphinx_multitoc_numbering.setup = parallel_safe_setup
 
 
-_declare_parallel_safe(sphinx_multitoc_numbering)
-_declare_parallel_safe(sphinx_jupyterbook_latex)
+def merge_proof_domain() -> None:
+    """sphinx-proof declares itself parallel safe, but its ProofDomain leaves
+    `Domain.merge_domaindata` unimplemented, which raises NotImplementedError when Sphinx
+    merges a worker's environment. Its records live in env.proof_list, which its own
+    env-merge-info handler merges; the domain's data holds nothing to merge. Upstream: a
+    `merge_domaindata` on ProofDomain (no issue filed there that we found)."""
+    from sphinx_proof.domain import ProofDomain
+
+    def merge_domaindata(self, docnames, otherdata):
+        """Nothing: sphinx-proof's records are merged by its env-merge-info handler."""
+
+    ProofDomain.merge_domaindata = merge_domaindata
 
 
-def _merge_nothing(self, docnames, otherdata):
-    """sphinx-proof keeps its records in env.proof_list, which its own env-merge-info handler
-    merges; its domain holds no data, so there is nothing to merge here."""
+def one_page_per_chunk() -> None:
+    """Sphinx splits the pages into equal batches per process up front
+    (`sphinx.util.parallel.make_chunks`, looked up by `sphinx.builders` when it reads); with a
+    few slow chapters among quick pages, one process can get most of the chapters while the
+    other idles. With one page per batch a free process takes the next page as soon as it is
+    done. Upstream: a work queue for parallel reading (sphinx-doc/sphinx#6330, pull request
+    #13738) or a configurable batch size (sphinx-doc/sphinx#10967)."""
+    import sphinx.builders
+
+    def make_chunks(docnames, nproc, maxbatch=10):
+        return [[docname] for docname in docnames]
+
+    sphinx.builders.make_chunks = make_chunks
 
 
-# sphinx-proof says it is parallel safe but leaves Domain.merge_domaindata unimplemented.
-ProofDomain.merge_domaindata = _merge_nothing
+def patch(jobs: int) -> None:
+    """Every patch the build needs, applied before Jupyter Book starts Sphinx."""
+    pass_jobs(jobs)
+    declare_multitoc_numbering_parallel_safe()
+    merge_proof_domain()
+    one_page_per_chunk()
 
-
-
-def _one_page_per_chunk(docnames, nproc, maxbatch=10):
-    """Hand the worker processes one page at a time.
-
-    Sphinx splits the pages into nproc equal-sized batches up front; with a few slow chapters
-    among quick pages, one process can get most of the chapters while the other idles. With
-    one page per batch a free process takes the next page as soon as it is done.
-    """
-    return [[docname] for docname in docnames]
-
-
-sphinx.builders.make_chunks = _one_page_per_chunk
 
 if __name__ == "__main__":
+    from jupyter_book.cli.main import main
+
+    patch(int(os.environ.get("BOOK_JOBS") or os.cpu_count() or 1))
     sys.exit(main(["build", *sys.argv[1:]]))

@@ -1,188 +1,30 @@
-"""Classroom material made from the chapters: the shared setup cell, exercise stubs, student
-notebooks (`make student`) and an nbgrader course (`make assignments`).
+"""Classroom material made from the chapters: student notebooks (`make student`) and an
+nbgrader course (`make assignments`).
 
 The chapter notebooks in chapters/*.ipynb are the starting point; they are written by the book
 build (see _ext/notebooks.py) and kept in sync with the MyST sources by tests/test_book.py.
+Where their setup cell, exercises, checks and solutions are, and how a solution becomes a stub,
+comes from tools/chapter_structure.py.
 """
 
 from __future__ import annotations
 
-import ast
 import copy
 import pathlib
 import re
 
 import yaml
 
+import chapter_structure as structure
+from chapter_structure import CODE_FILES, STUB_BODY, repository  # noqa: F401  (used by the tests)
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CHAPTERS = ROOT / "chapters"
-# The book's code, every file of code/, in the order a notebook imports it: the module, its
-# siblings of Part III (which may import it), the explorable figures' helper, and the exercises'
-# checks (which import them all).
-CODE_FILES = ("attention.py", "position.py", "flash.py", "explorable.py", "checks.py")
-
-# What a student finds in place of a solution's function body. nbgrader is told to write the
-# same stub (see nbgrader_config.py in `make assignments`), so both routes look alike.
-STUB_BODY = "# YOUR CODE HERE\nraise NotImplementedError()"
-
-
-def repository() -> dict[str, str]:
-    """The published repository, from _config.yml: the one place it is written down."""
-    config = yaml.safe_load((ROOT / "_config.yml").read_text())["repository"]
-    match = re.fullmatch(r"https://github\.com/([^/]+)/([^/]+?)/?", config["url"])
-    assert match, f"_config.yml: repository.url must be a GitHub URL, got {config['url']!r}"
-    org, repo = match.groups()
-    ref = str(config.get("branch", "main"))
-    return {"url": config["url"], "org": org, "repo": repo, "ref": ref,
-            "raw": f"https://raw.githubusercontent.com/{org}/{repo}/{ref}/"}
-
-
-# The first cell of every chapter, byte for byte; @RAW@ is the raw-file address of the
-# repository at the book's ref. In the book the module is importable and the fetch never runs.
-SETUP_CELL_TEMPLATE = '''```{code-cell} ipython3
-:tags: [remove-cell]
-# Setup, hidden in the book. Makes the book's code importable (the module code/attention.py,
-# its siblings and the exercises' checks code/checks.py): from the repository when the notebook
-# sits in it, else (Colab, a download) fetched once into this folder. Without myst_nb, glue()
-# just shows its value. Then: reproducible SVG figures, short tensor printing, and the torch
-# version, compared with the one the book's text was checked with.
-import importlib, os, pathlib, sys, urllib.request
-sys.path.insert(0, str(pathlib.Path.cwd().parent / "code"))
-for module in @MODULES@:
-    try:
-        importlib.import_module(module)
-    except ModuleNotFoundError:
-        url = (os.environ.get("ATTENTION_PY_URL") or (  # the published module, at the book's ref
-            "@RAW@"
-            "code/attention.py")).rsplit("/", 1)[0] + f"/{module}.py"
-        try:
-            urllib.request.urlretrieve(url, f"{module}.py")
-        except OSError as err:
-            raise RuntimeError(f"could not fetch {url}: {err}. Upload code/{module}.py next to "
-                               "this notebook, or set ATTENTION_PY_URL to the address of "
-                               "attention.py (the others are fetched from beside it).") from None
-        sys.path.insert(0, os.getcwd())
-        importlib.import_module(module)
-try:
-    import myst_nb
-except ImportError:
-    import types, IPython.display
-    sys.modules["myst_nb"] = myst_nb = types.ModuleType("myst_nb")
-    myst_nb.glue = lambda name, value, display=True: (
-        IPython.display.display(value) if display else None)
-%config InlineBackend.figure_formats = ["svg"]
-%config InlineBackend.print_figure_kwargs = {"bbox_inches": "tight", "metadata": {"Date": None}}
-import matplotlib
-matplotlib.rcParams.update({"svg.hashsalt": "attention-computed", "image.cmap": "viridis"})
-import torch
-torch.set_printoptions(precision=3, sci_mode=False)
-torch.set_num_threads(1)  # small tensors: one thread is as fast, and chapters can run side by side
-BOOK_TORCH = "@TORCH@"  # requirements.txt's pin
-print(f"torch {torch.__version__}", "" if torch.__version__.split("+")[0] == BOOK_TORCH else
-      f"(the book was checked with {BOOK_TORCH}: where its text names that version, an "
-      "output here may differ)")
-```'''
-
-
-def torch_pin() -> str:
-    """The torch version requirements.txt pins, which the book's text was checked with."""
-    pin = re.search(r"^torch==(\S+)$", (ROOT / "requirements.txt").read_text(), re.M)
-    assert pin, "requirements.txt must pin torch exactly"
-    return pin.group(1)
-
-
-def setup_cell() -> str:
-    modules = tuple(name.removesuffix(".py") for name in CODE_FILES)
-    return (SETUP_CELL_TEMPLATE.replace("@RAW@", repository()["raw"])
-            .replace("@TORCH@", torch_pin()).replace("@MODULES@", repr(modules)))
 
 
 def numbered_chapters() -> list[pathlib.Path]:
+    """The chapter sources, chapters/NN-name.md, in book order."""
     return sorted(CHAPTERS.glob("[0-9][0-9]-*.md"))
-
-
-def write_setup_cells() -> None:
-    """Rewrite the first cell of every chapter from the template (after _config.yml moves)."""
-    for path in numbered_chapters():
-        text = path.read_text()
-        start = text.index("```{code-cell}")
-        end = text.index("\n```", start) + len("\n```")
-        path.write_text(text[:start] + setup_cell() + text[end:])
-
-
-# ---------------------------------------------------------------------------------------------
-# Exercise stubs
-
-
-def _split_solution(source: str):
-    """Yield (kind, lines) for the top-level statements of a solution cell.
-
-    kind is "import", "def" (with the header, docstring and body lines separated) or "check"
-    (a call of a check_* function); everything else is "other".
-    """
-    lines = source.splitlines()
-    tree = ast.parse(source)
-    for node in tree.body:
-        first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
-        chunk = lines[first - 1:node.end_lineno]
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            yield "import", chunk
-        elif isinstance(node, ast.FunctionDef):
-            body = node.body
-            has_doc = (isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
-                       and isinstance(body[0].value.value, str))
-            head_end = (body[0].end_lineno if has_doc else body[0].lineno - 1)
-            if len(body) == int(has_doc):
-                raise ValueError(f"{node.name} has no body to replace")
-            head = lines[first - 1:head_end]
-            rest = lines[head_end:node.end_lineno]
-            indent = re.match(r"\s*", lines[body[int(has_doc)].lineno - 1]).group()
-            yield "def", (head, rest, indent, node.name)
-        elif (isinstance(node, ast.Expr) and isinstance(node.value, ast.Call)
-              and isinstance(node.value.func, ast.Name)
-              and node.value.func.id.startswith("check_")):
-            yield "check", chunk
-        else:
-            yield "other", chunk
-
-
-def stub_code(source: str) -> tuple[str, str] | None:
-    """A solution cell as a student gets it: (stub cell, check cell), or None.
-
-    Every function the cell defines keeps its signature and docstring and has its body replaced
-    by STUB_BODY; imports stay; calls of check_* functions move to a cell of their own; anything
-    else goes. A cell that defines no function, or calls no check at its top level (such as a
-    demonstration that a check rejects a wrong answer), is not an answer and gives None.
-    """
-    imports, defs, checks = [], [], []
-    for kind, chunk in _split_solution(source):
-        if kind == "import":
-            imports += chunk
-        elif kind == "def":
-            head, _, indent, _ = chunk
-            defs.append("\n".join(head + [indent + line for line in STUB_BODY.splitlines()]))
-        elif kind == "check":
-            checks += chunk
-    if not defs or not checks:  # no check call: a demonstration, not an answer
-        return None
-    return "\n\n\n".join(["\n".join(imports)] * bool(imports) + defs), "\n".join(checks)
-
-
-def solution_region_code(source: str) -> str:
-    """The definitions of a solution cell with each body inside nbgrader's solution markers."""
-    imports, defs = [], []
-    for kind, chunk in _split_solution(source):
-        if kind == "import":
-            imports += chunk
-        elif kind == "def":
-            head, rest, indent, _ = chunk
-            defs.append("\n".join(head + [indent + "### BEGIN SOLUTION"] + rest
-                                  + [indent + "### END SOLUTION"]))
-    return "\n\n\n".join(["\n".join(imports)] * bool(imports) + defs)
-
-
-def function_names(source: str) -> list[str]:
-    return [chunk[3] for kind, chunk in _split_solution(source) if kind == "def"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -224,10 +66,6 @@ def fresh_chapter_notebooks() -> list[pathlib.Path]:
     return chapter_notebooks()
 
 
-def _tags(cell) -> list[str]:
-    return list(cell.metadata.get("tags", []))
-
-
 STUDENT_NOTE = """\
 **Student version.** The solutions are removed. Where an exercise asks for code you will find a
 cell with the function's signature and `raise NotImplementedError()`: replace that line with your
@@ -237,21 +75,21 @@ makes the book's module `attention.py` importable."""
 
 
 def student_notebook(notebook):
-    """Solutions out, stubs in, checks kept; a note on how to use it after the title."""
+    """Solutions out, stubs (tagged stub) in, each followed by the call of its check (tagged
+    check-call); a note on how to use it after the title."""
     import nbformat
 
     cells = []
     for cell in notebook.cells:
-        if "solution" not in _tags(cell):
+        if not structure.is_solution(cell):
             cells.append(cell)
             if len(cells) == 1:
                 cells.append(nbformat.v4.new_markdown_cell(STUDENT_NOTE))
             continue
-        stub = stub_code(cell.source) if cell.cell_type == "code" else None
+        stub = structure.stub_code(cell.source) if cell.cell_type == "code" else None
         if stub:
-            cells.append(nbformat.v4.new_code_cell(stub[0]))
-            if stub[1]:
-                cells.append(nbformat.v4.new_code_cell(stub[1]))
+            for source, tag in zip(stub, (structure.STUB, structure.CHECK_CALL)):
+                cells.append(nbformat.v4.new_code_cell(source, metadata={"tags": [tag]}))
     return _renumbered(nbformat.v4.new_notebook(cells=cells,
                                                 metadata=copy.deepcopy(notebook.metadata)))
 
@@ -362,43 +200,18 @@ def _meta(kind: str, grade_id: str, points: int = 0) -> dict:
     return {"nbgrader": meta}
 
 
-EXERCISE = re.compile(r"^#### Exercise (\d+\.\d+): (.*)$", re.M)
-SOLUTION_HEADER = re.compile(r"\*\*Solution to Exercise [\d.]+\.\*\*\n*")
 WRITTEN_POINTS = 2  # a derivation, proof or experiment graded by hand
 
 
-def exercises(notebook) -> list[dict]:
-    """Each exercise of a chapter notebook: number, title, statement cell index and the cells
-    of its solution (the cells tagged solution that follow it, up to the next exercise)."""
-    found = []
-    for index, cell in enumerate(notebook.cells):
-        match = EXERCISE.search(cell.source) if cell.cell_type == "markdown" else None
-        if match:  # the statement, after any text of the chapter in the same cell
-            found.append({"number": match.group(1), "title": match.group(2).strip(),
-                          "index": index, "statement": cell.source[match.start():],
-                          "solution": []})
-        elif found and "solution" in _tags(cell):
-            found[-1]["solution"].append(cell)
-    for exercise in found:
-        exercise["coding"] = any(
-            c.cell_type == "code" and stub_code(c.source) for c in exercise["solution"])
-        exercise["code"] = any(c.cell_type == "code" for c in exercise["solution"])
-    return found
-
-
-def written_solution(exercise: dict) -> str:
+def written_solution(exercise: structure.NotebookExercise) -> str:
     """The solution of an exercise as one piece of Markdown, code cells fenced."""
     parts = []
-    for cell in exercise["solution"]:
+    for cell in exercise.solution:
         if cell.cell_type == "markdown":
-            parts.append(SOLUTION_HEADER.sub("", cell.source).strip())
+            parts.append(structure.without_solution_heading(cell.source).strip())
         else:
             parts.append(f"```python\n{cell.source.strip()}\n```")
     return "\n\n".join(part for part in parts if part)
-
-
-EXERCISES_HEADING = re.compile(r"^## [\d.]* ?Exercises\s*$", re.M)
-NEXT_HEADING = re.compile(r"^## ", re.M)
 
 
 def exercise_sheet(notebook):
@@ -408,19 +221,16 @@ def exercise_sheet(notebook):
     import nbformat
 
     cells = notebook.cells
-    start = next(i for i, c in enumerate(cells)
-                 if c.cell_type == "markdown" and EXERCISES_HEADING.search(c.source))
-    end = next((i for i, c in enumerate(cells[start + 1:], start + 1)
-                if c.cell_type == "markdown" and NEXT_HEADING.search(c.source)
-                and not EXERCISES_HEADING.search(c.source)), len(cells))
+    start, offset, end = structure.exercise_section(notebook)
     first = copy.deepcopy(cells[start])
-    first.source = first.source[EXERCISES_HEADING.search(first.source).start():]
-    imports = next(c for c in cells[2:] if c.cell_type == "code")
+    first.source = first.source[offset:]
+    setup = next(c for c in cells if structure.is_setup(c))
+    imports = next(c for c in cells if c.cell_type == "code" and not structure.is_setup(c))
     title = cells[0].source.splitlines()[0].lstrip("# ").strip()
     pointer = nbformat.v4.new_markdown_cell(
         f"These are the exercises of the chapter *{title}*; read the chapter first, in the book "
         "or in its full notebook. The cell below imports what the exercises use.")
-    sheet = [copy.deepcopy(cells[0]), copy.deepcopy(cells[1]), pointer, copy.deepcopy(imports),
+    sheet = [copy.deepcopy(cells[0]), copy.deepcopy(setup), pointer, copy.deepcopy(imports),
              first, *copy.deepcopy(cells[start + 1:end])]
     return nbformat.v4.new_notebook(cells=sheet, metadata=copy.deepcopy(notebook.metadata))
 
@@ -438,36 +248,33 @@ def nbgrader_source(notebook):
     """
     import nbformat
 
-    manual = {ex["index"]: ex for ex in exercises(notebook) if not ex["coding"]}
+    manual = {ex.index: ex for ex in structure.exercises(notebook) if not ex.coding}
     cells = []
     for index, cell in enumerate(notebook.cells):
-        tags = _tags(cell)
-        if "solution" not in tags:
+        if not structure.is_solution(cell):
             new = copy.deepcopy(cell)
-            if cell.cell_type == "code":
-                name = re.match(r"from checks import (check_\w+)", cell.source)
-                if name:
-                    new.metadata.update(_meta("locked", name.group(1)))
-                elif cell.source.startswith("# Setup, hidden in the book"):
-                    new.metadata.update(_meta("locked", "setup"))
+            if structure.CHECK in structure.tags(cell):
+                new.metadata.update(_meta("locked", structure.imported_checks(cell.source)[0]))
+            elif structure.is_setup(cell):
+                new.metadata.update(_meta("locked", "setup"))
             cells.append(new)
             if index in manual:
                 exercise = manual[index]
                 answer = nbformat.v4.new_markdown_cell(written_solution(exercise))
                 answer.metadata.update(
-                    _meta("manual", "answer-" + exercise["number"].replace(".", "-"),
-                                     WRITTEN_POINTS))
+                    _meta("manual", "answer-" + exercise.number.replace(".", "-"),
+                          WRITTEN_POINTS))
                 cells.append(answer)
-                if exercise["code"]:  # the book's solution computes: room for the student's
+                if exercise.code:  # the book's solution computes: room for the student's
                     cells.append(nbformat.v4.new_code_cell(
-                        f"# Your code for Exercise {exercise['number']}, graded with your "
+                        f"# Your code for Exercise {exercise.number}, graded with your "
                         "answer above"))
             continue
-        stub = stub_code(cell.source) if cell.cell_type == "code" else None
+        stub = structure.stub_code(cell.source) if cell.cell_type == "code" else None
         if not stub:
             continue
-        names = "-".join(function_names(cell.source))
-        answer = nbformat.v4.new_code_cell(solution_region_code(cell.source))
+        names = "-".join(structure.function_names(cell.source))
+        answer = nbformat.v4.new_code_cell(structure.solution_region_code(cell.source))
         answer.metadata.update(_meta("answer", names))
         cells.append(answer)
         for grade_id, source, worth in graded_tests(stub[1], names):
@@ -505,13 +312,10 @@ def answer_key(notebook) -> str:
     """Every exercise of a chapter with the book's solution, as Markdown for the instructor."""
     title = notebook.cells[0].source.splitlines()[0].lstrip("# ")
     parts = [f"# Answer key: {title}"]
-    for exercise in exercises(notebook):
-        parts += [exercise["statement"].replace("#### ", "## ", 1),
+    for exercise in structure.exercises(notebook):
+        parts += [exercise.statement.replace("#### ", "## ", 1),
                   "**Solution.**\n\n" + written_solution(exercise)]
     return "\n\n".join(parts) + "\n"
-
-
-CHECK_CALL = re.compile(r"(check_\w+)")
 
 
 def assignment_note(notebook) -> str:
@@ -522,8 +326,10 @@ def assignment_note(notebook) -> str:
     manual = [g for g in graded if g["solution"]]
     points = lambda cells: sum(g["points"] for g in cells)
     plural = lambda n, word: f"{n} {word}{'s' * (n != 1)}"
-    checks = [CHECK_CALL.match(c.source).group(1) for c in notebook.cells
-              if c.metadata.get("nbgrader", {}).get("grade") and CHECK_CALL.match(c.source)]
+    # graded_tests writes each test cell as `check_x.grade(...)`
+    checks = [c.source.partition(".grade(")[0] for c in notebook.cells
+              if c.metadata.get("nbgrader", {}).get("grade")
+              and not c.metadata["nbgrader"]["solution"]]
     functions = ", ".join(f"`{name}`" for name in dict.fromkeys(checks))
     return (
         f"**Assignment: {plural(points(graded), 'point')}.** "
@@ -610,21 +416,13 @@ def leave_out(sheet, numbers: set[str]):
     """The sheet without the exercises numbered in `numbers`: their statements and solutions."""
     kept, dropping = [], False
     for cell in sheet.cells:
-        match = EXERCISE.search(cell.source) if cell.cell_type == "markdown" else None
-        if match:
-            dropping = match.group(1) in numbers
-            if dropping:
-                before = cell.source[:match.start()].rstrip()
-                if before:  # text of the chapter in the same cell stays
-                    cell = copy.deepcopy(cell)
-                    cell.source = before
-                    kept.append(cell)
-                continue
-        elif dropping and "solution" in _tags(cell):
-            continue
-        else:
+        number = structure.exercise_number(cell)
+        if number:
+            dropping = number in numbers
+        elif not structure.is_solution(cell):
             dropping = False
-        kept.append(cell)
+        if not dropping:
+            kept.append(cell)
     sheet.cells = kept
     return sheet
 
@@ -634,9 +432,7 @@ def graded_by_exercise(notebook) -> dict[str, list[dict]]:
     notebook: a graded cell belongs to the last exercise statement above it."""
     graded, current = {}, None
     for cell in notebook.cells:
-        match = EXERCISE.search(cell.source) if cell.cell_type == "markdown" else None
-        if match:
-            current = match.group(1)
+        current = structure.exercise_number(cell) or current
         meta = cell.metadata.get("nbgrader", {})
         if meta.get("grade") and current:
             graded.setdefault(current, []).append(meta)
@@ -687,7 +483,7 @@ def write_assignments(out: pathlib.Path) -> list[pathlib.Path]:
         notebooks = [nbformat.read(chapters[c], as_version=4) for c in spec["chapters"]]
         titles = [nb.cells[0].source.splitlines()[0].lstrip("# ").strip() for nb in notebooks]
         sheet = merged_sheet(f"{name}: {'; '.join(titles)}", [exercise_sheet(nb) for nb in notebooks])
-        numbers = {ex["number"] for ex in exercises(sheet)}
+        numbers = {ex.number for ex in structure.exercises(sheet)}
         unknown = set(spec["leave_out"]) - numbers
         if unknown:
             raise SystemExit(f"course.yml: {name}: no exercise {', '.join(sorted(unknown))} in "
@@ -792,8 +588,6 @@ if __name__ == "__main__":
     import sys
 
     match sys.argv[1:]:
-        case ["setup-cell"]:
-            write_setup_cells()
         case ["student", out]:
             for path in write_student(pathlib.Path(out)):
                 print(path)
@@ -810,5 +604,5 @@ if __name__ == "__main__":
         case ["release" | "autograde" | "feedback" | "grades" as command, out, *rest]:
             print(course_command(pathlib.Path(out), command, rest[0] if rest else None))
         case _:
-            sys.exit(f"usage: {sys.argv[0]} setup-cell | student OUT | assignments OUT | "
+            sys.exit(f"usage: {sys.argv[0]} student OUT | assignments OUT | "
                      "release|autograde|feedback OUT ASSIGNMENT | grades OUT")

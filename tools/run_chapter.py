@@ -2,8 +2,9 @@
 
     .venv/bin/python tools/run_chapter.py chapters/03-scaling.md [--cells]
 
-Runs the MyST notebook with its working directory set to chapters/ (as myst-nb does), prints
-the total execution time and, with --cells, the slowest cells. Exits non-zero if a cell raises
+Runs the MyST notebook, after the setup cell that the build puts in front of it
+(tools/chapter_structure.py), with its working directory set to chapters/ (as myst-nb does),
+prints the total execution time and, with --cells, the slowest cells. Exits non-zero if a cell raises
 or writes to stderr, which the book build would also refuse.
 """
 
@@ -14,13 +15,14 @@ import pathlib
 import sys
 import time
 
-import jupytext
 import nbclient
+
+import chapter_structure
 
 
 def execute(path: pathlib.Path, timeout: int = 120):
     """Execute the notebook at ``path``; return (notebook, seconds, per-cell seconds)."""
-    nb = jupytext.read(path)
+    nb = chapter_structure.chapter_notebook(path)
     client = nbclient.NotebookClient(
         nb, timeout=timeout, kernel_name="python3",
         resources={"metadata": {"path": str(path.parent)}},
