@@ -216,16 +216,22 @@ STEP_KEYS = {"range": ["ArrowRight", "ArrowLeft"], "select-one": ["ArrowDown", "
              "checkbox": ["Space"], "radio": ["ArrowRight", "ArrowLeft"]}
 
 
+def wait_until_drawn(page) -> None:
+    """Wait (up to 20 s) until every explorable figure of the page is drawn; a figure that is
+    not is reported by the caller, per figure."""
+    try:
+        page.wait_for_function(ALL_DRAWN_JS, timeout=20_000)
+    except Exception:  # playwright's TimeoutError
+        pass
+
+
 def explorable_check(page) -> list[dict]:
     """Wait until every explorable figure is drawn; then move each of its controls by keyboard
     and record whether the chart changed. Also records what shows on screen and in print."""
     ids = page.evaluate("() => [...document.querySelectorAll('div.explorable')].map(d => d.id)")
     if not ids:
         return []
-    try:
-        page.wait_for_function(ALL_DRAWN_JS, timeout=20_000)
-    except Exception:  # playwright's TimeoutError: reported below, per figure
-        pass
+    wait_until_drawn(page)
     screen = {f["id"]: f for f in page.evaluate(SHOWN_JS)}
     page.emulate_media(media="print")
     printed = {f["id"]: f for f in page.evaluate(SHOWN_JS)}
@@ -416,11 +422,9 @@ def visit_dark(page, url: str, path: str, external: list) -> dict:
     """The page in the theme's dark mode (the reader's system asks for it): the figures."""
     sb.open_page(page, url)
     report = {"theme": page.evaluate("() => document.documentElement.dataset.theme")}
-    if page.evaluate("() => Boolean(document.querySelector('div.explorable'))"):
-        try:
-            page.wait_for_function(ALL_DRAWN_JS, timeout=20_000)
-        except Exception:
-            pass
+    report["explorables"] = page.evaluate("() => document.querySelectorAll('div.explorable').length")
+    if report["explorables"]:
+        wait_until_drawn(page)
         report["chart_backgrounds"] = page.evaluate(
             "() => [...document.querySelectorAll('.explorable-live svg.marks')]"
             ".map(svg => getComputedStyle(svg).backgroundColor)")
@@ -732,6 +736,9 @@ def test_figures_read_in_the_dark_theme_and_charts_follow_it(dark_site):
         found = list(report["figure_contrast"])
         if report["theme"] != "dark":
             found.append(f"the page's theme is {report['theme']!r}, not dark")
+        drawn = len(report.get("chart_backgrounds", []))
+        if drawn != report["explorables"]:
+            found.append(f"{drawn} of {report['explorables']} explorable figures drawn in the dark theme")
         found += [f"an explorable chart has a light background in the dark theme: {bg}"
                   for bg in report.get("chart_backgrounds", []) if _luminance(
                       [int(c) for c in re.findall(r"\d+", bg)[:3]]) > 0.3]
