@@ -138,7 +138,8 @@ def test_the_build_executes_the_setup_cell_first(build):
         name = path.stem
         executed = nbformat.read(out / "jupyter_execute" / "chapters" / f"{name}.ipynb", 4)
         code = [c for c in executed.cells if c.cell_type == "code"]
-        assert code[0].source == chapter_structure.setup_source(), name
+        assert code[0].source == chapter_structure.setup_source(
+            chapter_structure.code_files(path.read_text())), name
         assert code[0].execution_count == 1, name
         printed = "".join(o.get("text", "") for o in code[0].outputs)
         assert printed.startswith(f"torch {chapter_structure.torch_pin()}"), (name, printed)

@@ -100,16 +100,17 @@ def test_build_inserts_the_setup_cell_first_and_keeps_every_line_number(path, tm
     warning's line number is the file's."""
     from myst_nb.core.read import read_myst_markdown_notebook
 
-    setup_file = tmp_path / "setup-cell.py"
-    setup_file.write_text(chapter_structure.setup_source())
     text = path.read_text()
+    setup_code = chapter_structure.setup_source(chapter_structure.code_files(text))
+    setup_file = tmp_path / "setup-cell.py"
+    setup_file.write_text(setup_code)
     read = chapter_structure.with_setup_cell(text, str(setup_file))
     front = text.split("\n").index("---", 1)
     assert read.split("\n")[front + 1:] == text.split("\n")[front + 1:]
     original = read_myst_markdown_notebook(text, add_source_map=True)
     built = read_myst_markdown_notebook(read, add_source_map=True, path=str(path))
     setup, *cells = built.cells
-    assert setup.cell_type == "code" and setup.source == chapter_structure.setup_source()
+    assert setup.cell_type == "code" and setup.source == setup_code
     assert setup.metadata["tags"] == ["remove-cell", chapter_structure.SETUP]
     assert built.metadata["kernelspec"] == original.metadata["kernelspec"]
     assert [c.source for c in cells] == [c.source for c in original.cells]
@@ -128,7 +129,8 @@ def test_chapter_notebook_has_the_setup_cell_after_the_title():
         title, setup, after = notebook.cells[:3]
         assert re.fullmatch(r"\(ch-[a-z-]+\)=\n# .+", title.source), title.source
         assert chapter_structure.is_setup(setup)
-        assert setup.source == chapter_structure.setup_source()
+        assert setup.source == chapter_structure.setup_source(
+            chapter_structure.code_files(path.read_text()))
         source = jupytext.read(path).cells
         assert [c.source for c in notebook.cells[3:]] == [c.source for c in source[1:]]
         assert title.source + "\n\n" + after.source == source[0].source
@@ -157,5 +159,6 @@ def test_a_warning_names_the_source_line(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert f"01-lines.md:{len(lines)}: WARNING: undefined label: 'no-such-label'" in proc.stderr, (
         proc.stderr)
-    loaded = tmp_path / "out" / "html" / ".doctrees" / "setup-cell.py"  # what the cell loads
-    assert loaded.read_text() == chapter_structure.setup_source()
+    loaded = tmp_path / "out" / "html" / ".doctrees" / "setup-cells" / "01-lines.py"  # loaded
+    assert loaded.read_text() == chapter_structure.setup_source(
+        chapter_structure.code_files("\n".join(lines)))

@@ -65,16 +65,29 @@ def test_code_files_are_every_file_of_code():
     # would import in the book and fail alone.
     on_disk = {p.name for p in (classroom.ROOT / "code").glob("*.py")}
     assert set(classroom.CODE_FILES) == on_disk
-    assert classroom.CODE_FILES[0] == "attention.py" and classroom.CODE_FILES[-1] == "checks.py"
+    assert classroom.CODE_FILES[0] == "attention.py"
+    # the checks' machinery, then every chapter's checks, which import it
+    index = classroom.CODE_FILES.index(structure.CHECKING_FILE)
+    assert all(name.startswith("checks_") for name in classroom.CODE_FILES[index + 1:])
+    assert len(classroom.CODE_FILES[index + 1:]) == 10
+
+
+def test_each_notebook_fetches_the_checks_it_imports_and_no_other():
+    for path in NOTEBOOKS:
+        text = path.with_suffix(".md").read_text()
+        files = structure.code_files(text)
+        imported = set(re.findall(r"^from (checks_\w+) import", text, re.M))
+        assert {f.removesuffix(".py") for f in files if f.startswith("checks_")} == imported
+        assert imported, path.name
 
 
 def test_every_notebook_starts_with_the_setup_cell_from_the_configured_repository():
     """Colab needs the whole setup cell in the notebook: after the title, tagged setup, folded."""
     repo = classroom.repository()
     assert repo["raw"].startswith(f"https://raw.githubusercontent.com/{repo['org']}/{repo['repo']}/")
-    expected = structure.setup_source()  # the template, with _config.yml's address
-    assert f'"{repo["raw"]}"' in expected
+    assert f'"{repo["raw"]}"' in structure.setup_source()  # with _config.yml's address
     for path in NOTEBOOKS:
+        expected = structure.setup_source(structure.code_files(path.with_suffix(".md").read_text()))
         cells = read(path).cells
         assert [structure.is_setup(c) for c in cells].index(True) == 1, path.name
         assert cells[1].source == expected, path.name
@@ -163,7 +176,8 @@ def test_student_notebook_keeps_checks_and_stubs(student, path):
     notebook = student[path.stem]
     code = [c for c in notebook.cells if c.cell_type == "code"]
     checks = [c for c in code if structure.CHECK in structure.tags(c)]
-    assert checks and all(c.source.startswith("from checks import check_") for c in checks), (
+    assert checks and all(re.fullmatch(r"from checks_\w+ import check_\w+", c.source)
+                          for c in checks), (
         "the chapter's checks are missing")
     stubs = [i for i, c in enumerate(code) if structure.STUB in structure.tags(c)]
     assert len(stubs) >= 1
@@ -180,6 +194,10 @@ def test_student_notebook_keeps_checks_and_stubs(student, path):
 # nbgrader course
 
 
+# A graded test cell imports its check itself, then grades one case.
+GRADED_TEST = re.compile(r"from checks_\w+ import (check_\w+)\n\1\.grade\(")
+
+
 @pytest.fixture(scope="module")
 def course(tmp_path_factory):
     out = tmp_path_factory.mktemp("course")
@@ -191,7 +209,9 @@ def test_course_layout_and_metadata(course):
     assert (course / "nbgrader_config.py").is_file()
     for path in NOTEBOOKS:
         folder = course / "source" / path.stem
-        for name in classroom.CODE_FILES:
+        files = structure.code_files(path.with_suffix(".md").read_text())
+        assert sorted(p.name for p in folder.glob("*.py")) == sorted(files)
+        for name in files:
             assert (folder / name).read_text() == (ROOT / "code" / name).read_text()
         notebook = read(folder / path.name)
         grade_ids, points = [], 0
@@ -206,7 +226,7 @@ def test_course_layout_and_metadata(course):
                 if meta["solution"]:  # an answer graded by hand, its solution in the source
                     assert meta["grade_id"].startswith("answer-") and cell.source.strip()
                 else:
-                    assert meta["locked"] and cell.source.startswith("check_")
+                    assert meta["locked"] and GRADED_TEST.match(cell.source), cell.source
             elif meta["solution"]:
                 assert "### BEGIN SOLUTION" in cell.source
         assert len(grade_ids) == len(set(grade_ids)), "grade ids must be unique"
@@ -304,8 +324,8 @@ def mistaken_submission(course: pathlib.Path, name: str, earns: str) -> dict[str
         if not (meta.get("solution") and not meta.get("grade")):
             continue
         tests = [c for c in cells[index + 1:] if c.metadata.get("nbgrader", {}).get("grade")
-                 and c.source.startswith("check_")][:1]
-        check = re.match(r"(check_\w+)", tests[0].source).group(1)
+                 and GRADED_TEST.match(c.source)][:1]
+        check = GRADED_TEST.match(tests[0].source).group(1)
         for function in meta["grade_id"].split("-"):
             found = catalogue_answer(check, function, earns)
             if found:
@@ -339,9 +359,9 @@ def scores_by_check(course: pathlib.Path, name: str) -> dict[str, dict[str, floa
     from nbgrader.api import Gradebook
 
     notebook = read(course / "source" / name / f"{name}.ipynb")
-    check_of = {c.metadata["nbgrader"]["grade_id"]: re.match(r"(check_\w+)", c.source).group(1)
+    check_of = {c.metadata["nbgrader"]["grade_id"]: GRADED_TEST.match(c.source).group(1)
                 for c in notebook.cells if c.metadata.get("nbgrader", {}).get("grade")
-                and c.source.startswith("check_")}
+                and GRADED_TEST.match(c.source)}
     result = {}
     with Gradebook(f"sqlite:///{course / 'gradebook.db'}") as gradebook:
         for submission in gradebook.assignment_submissions(name):
@@ -674,7 +694,7 @@ def test_course_plan_merges_chapters_leaves_out_and_sets_points(tmp_path):
     ("assignments:\n  a:\n    chapters: [01-intuition]\n    leave_out: ['2.1']\n",
      "no exercise 2.1"),
     ("assignments:\n  a:\n    chapters: [01-intuition]\n    points: {'1.4': 1}\n",
-     "at least 4 points"),
+     "at least 6 points"),
     ("assignments:\n  a:\n    chapter: [01-intuition]\n", "unknown keys"),
 ])
 def test_course_plan_says_what_is_wrong(tmp_path, plan, message):

@@ -2,7 +2,7 @@
 
 Every chapter has one or two checks that a student runs on their own function, and a gated
 solution whose code cell defines the reference function and calls the check on it. A check is a
-`checks.Check` of code/checks.py, a list of cases worth points that an nbgrader assignment grades
+`checking.Check` of code/checks_<chapter>.py, a list of cases worth points that an nbgrader assignment grades
 one by one, which a chapter imports (`from checks import check_xxx`); no chapter defines a
 check of its own. Here each check must
 
@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 import attention
-import checks
+import checking
 import flash
 import position
 from attention import causal_mask, padding_mask, scaled_dot_product_attention, softmax
@@ -52,7 +52,7 @@ SOLUTION_GLOBALS = {"torch": torch, "math": math, "F": F,
 
 
 def defined_checks(cell: CodeCell) -> list[str]:
-    """The check_* functions a visible cell imports from code/checks.py."""
+    """The check_* functions a visible cell imports from code/checks_<chapter>.py."""
     return [] if cell.solution_of is not None else imported_checks(cell.source)
 
 
@@ -91,8 +91,11 @@ for _chapter in CHAPTERS:
 CHECK_NAMES = sorted(CHECK_CELLS)
 
 
-def load_check(name: str) -> checks.Check:
-    return checks.CHECKS[name]
+CHECKS = checking.all_checks()
+
+
+def load_check(name: str) -> checking.Check:
+    return CHECKS[name]
 
 
 def load_functions(source: str, names: list[str], label: str) -> dict:
@@ -144,10 +147,47 @@ def wrong(check: str, fragment: str, replaces: str | None = None, earns: str = "
     return register
 
 
+# What the message of a check says of each forbidden call: the label of the Rule that catches it.
+RULE_OF_CALL = {
+    "attention.softmax": "the module's softmax",
+    "attention.scaled_dot_product_attention": "the module's scaled_dot_product_attention",
+    "attention.MultiHeadAttention": "the module's MultiHeadAttention",
+    "attention.KVCache": "the module's KVCache",
+    "attention.repeat_kv": "the module's repeat_kv",
+    "attention.causal_mask": "the module's causal_mask",
+    "attention.padding_mask": "the module's padding_mask",
+    "attention.MultiHeadAttention.split_heads": "the module's MultiHeadAttention.split_heads",
+    "attention.MultiHeadAttention.merge_heads": "the module's MultiHeadAttention.merge_heads",
+    "position.rotary_embedding": "the module's rotary_embedding",
+    "torch.softmax": "a ready-made softmax", "torch.Tensor.softmax": "a ready-made softmax",
+    "torch.nn.functional.softmax": "a ready-made softmax",
+    "torch.special.softmax": "a ready-made softmax",
+    "torch.log_softmax": "a ready-made softmax",
+    "torch.Tensor.log_softmax": "a ready-made softmax",
+    "torch.nn.functional.log_softmax": "a ready-made softmax",
+    "torch.logsumexp": "torch.logsumexp", "torch.logaddexp": "torch.logsumexp",
+    "torch.nn.functional.scaled_dot_product_attention": "PyTorch's attention",
+    "torch.nn.MultiheadAttention": "PyTorch's attention",
+    "torch.nn.functional.multi_head_attention_forward": "PyTorch's attention",
+    "torch.nn.attention.bias.causal_lower_right": "PyTorch's attention",
+    "torch.manual_seed": "torch.manual_seed", "torch.random.manual_seed": "torch.manual_seed",
+    "loops over the queries or keys": "", # a message of its own: "... loops over the ..."
+}
+
+
+FORBIDDEN_WORK: set[str] = set()  # the names of the answers that do forbidden work
+
+
 def shortcut(check: str, call: str, replaces: str | None = None):
-    """Register a correct answer that makes a call the exercise forbids: it earns nothing, and
-    the message names the call."""
-    return wrong(check, f"it calls {call}", replaces, earns="nothing")
+    """Register a correct answer that makes a call the exercise forbids, however it reaches it:
+    it earns nothing, and the message names what ran."""
+    fragment = RULE_OF_CALL[call] if RULE_OF_CALL.get(call, call) else call
+    register = wrong(check, fragment, replaces, earns="nothing")
+
+    def forbidden(fn):
+        FORBIDDEN_WORK.add(fn.__name__)
+        return register(fn)
+    return forbidden
 
 
 def right(check: str, replaces: str | None = None):
@@ -452,6 +492,18 @@ def add_w_out_as_column(query, key, w_1, w_2, w_out):
     return torch.tanh(hidden) @ w_out[:, None]  # (L, S, 1): the right numbers, one axis too many
 
 
+@shortcut(C2b, "loops over the queries or keys")
+def add_loop_over_pairs(query, key, w_1, w_2, w_out):
+    return torch.stack([torch.stack([torch.tanh(q @ w_1 + k @ w_2) @ w_out for k in key])
+                        for q in query])
+
+
+@shortcut(C2b, "loops over the queries or keys")
+def add_loop_over_queries(query, key, w_1, w_2, w_out):
+    rows = [torch.tanh(query[i] @ w_1 + key @ w_2) @ w_out for i in range(len(query))]
+    return torch.stack(rows)  # one query at a time: still a loop
+
+
 @right(C2b)
 def add_unsqueeze(query, key, w_1, w_2, w_out):
     hidden = (query @ w_1).unsqueeze(1) + (key @ w_2).unsqueeze(0)
@@ -529,13 +581,12 @@ def var_global_generator(d_k, n, sigma, generator):
     return float(s.var()), float((s / math.sqrt(d_k)).var())
 
 
-@wrong(C3, "draw q and k with the generator you are given, not one of your own")
+@wrong(C3, "does not vary with the generator as an estimate from n pairs does", earns="nothing")
 def var_own_generator(d_k, n, sigma, generator):
     return _draws_variances(d_k, n, sigma, torch.Generator().manual_seed(0))
 
 
-@wrong(C3, "you returned the lemma's values d_k * sigma^4 and sigma^4 for every seed, not a "
-           "measurement", earns="nothing")
+@wrong(C3, "does not vary with the generator as an estimate from n pairs does", earns="nothing")
 def var_lemma_values(d_k, n, sigma, generator):
     return d_k * sigma**4, sigma**4  # what the exercise asks to measure
 
@@ -610,7 +661,7 @@ def sm_no_keepdim(scores, dim=-1):
     return exp / exp.sum(dim=dim)
 
 
-@wrong(C4, "expected dtype float16 back, got torch.float32")
+@wrong(C4, "must keep the dtype of the scores, float16")
 def sm_returns_float32(scores, dim=-1):
     s = scores.float()
     top = s.amax(dim=dim, keepdim=True)
@@ -832,7 +883,7 @@ def ms_fill_minus_1e9(scores, mask):
     return torch.where(mask.any(-1, keepdim=True), weights, 0.0)
 
 
-@wrong(C5b, "modified the scores in place")
+@wrong(C5b, "modified its argument `scores`")
 def ms_in_place(scores, mask):
     weights = _exp_rows(scores.masked_fill_(~mask, float("-inf")), dim=-1)
     return torch.where(mask.any(-1, keepdim=True), weights, 0.0)
@@ -861,13 +912,13 @@ def ms_mask_ignored(scores, mask):
     return _exp_rows(scores, dim=-1)
 
 
-@wrong(C5b, "expected dtype torch.float16, got torch.float32")
+@wrong(C5b, "must keep the dtype of the scores, torch.float16")
 def ms_returns_float32(scores, mask):
     weights = _exp_rows(scores.float().masked_fill(~mask, float("-inf")), dim=-1)
     return torch.where(mask.any(-1, keepdim=True), weights, 0.0)
 
 
-@wrong(C5b, "expected shape (2, 3, 5), got (")
+@wrong(C5b, "expected shape (2, 3, 5), got (", earns="nothing")
 def ms_boolean_indexing(scores, mask):
     return _exp_rows(scores[mask], dim=-1)  # the visible scores, flattened
 
@@ -1314,27 +1365,30 @@ C8 = "check_rope_interleaved"
 
 
 def _angles(x, positions, exponent=2.0, sign=1.0):
-    """(..., L, d/2) angles sign * p * 10000**(-exponent*i/d), in x's dtype."""
+    """(..., L, d/2) angles sign * p * 10000**(-exponent*i/d), in float64."""
     d = x.shape[-1]
-    i = torch.arange(d // 2, dtype=x.dtype)
+    i = torch.arange(d // 2, dtype=torch.float64)
     freq = 10000.0 ** (-exponent * i / d)
-    return sign * positions.to(x.dtype)[..., None] * freq
+    return sign * positions.to(torch.float64)[..., None] * freq
 
 
 def _pairs(x, angles, swap=False, layout="interleaved"):
-    """Rotate the pairs of x by angles, with one thing changed, for the wrong answers."""
-    cos, sin = angles.cos(), angles.sin()
+    """Rotate the pairs of x by angles, with one thing changed, for the wrong answers: in
+    float32 or wider, returned in x's dtype."""
+    wide = torch.promote_types(x.dtype, torch.float32)
+    cos, sin = angles.cos().to(wide), angles.sin().to(wide)
     if swap:
         cos, sin = sin, cos
+    x_wide = x.to(wide)
     if layout == "interleaved":
-        a, b = x[..., 0::2], x[..., 1::2]
-        out = torch.empty_like(x)
+        a, b = x_wide[..., 0::2], x_wide[..., 1::2]
+        out = torch.empty_like(x_wide)
         out[..., 0::2] = a * cos - b * sin
         out[..., 1::2] = b * cos + a * sin
-        return out
+        return out.to(x.dtype)
     h = x.shape[-1] // 2
-    a, b = x[..., :h], x[..., h:]
-    return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
+    a, b = x_wide[..., :h], x_wide[..., h:]
+    return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1).to(x.dtype)
 
 
 @wrong(C8, "the half-split layout")
@@ -1362,12 +1416,25 @@ def rope_ignores_positions(x, positions):
     return _pairs(x, _angles(x, torch.arange(x.shape[-2])))
 
 
-@wrong(C8, "are the angles computed in float32")
-def rope_float32_angles(x, positions):
+@wrong(C8, "compute the angles p * frequency in float64")
+def rope_angles_in_x_dtype(x, positions):
     d = x.shape[-1]
-    freq = 10000.0 ** (-torch.arange(0, d, 2) / d)  # float32
-    angles = positions[..., None] * freq  # float32, even for float64 x
-    return _pairs(x, angles.to(x.dtype))
+    freq = 10000.0 ** (-torch.arange(0, d, 2, dtype=x.dtype) / d)
+    angles = positions.to(x.dtype)[..., None] * freq  # in bfloat16, 301 becomes 300
+    a, b = x[..., 0::2], x[..., 1::2]
+    return torch.stack([a * angles.cos() - b * angles.sin(),
+                        b * angles.cos() + a * angles.sin()], dim=-1).flatten(-2)
+
+
+@right(C8)
+def rope_meta_float32(x, positions):
+    """Meta's reference code: frequencies and angles in float32, pairs as complex numbers."""
+    d = x.shape[-1]
+    freq = 1.0 / (10000.0 ** (torch.arange(0, d, 2).float() / d))
+    angles = positions[..., None].float() * freq  # (..., L, d/2)
+    rotation = torch.polar(torch.ones_like(angles), angles)
+    pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2).contiguous())
+    return torch.view_as_real(pairs * rotation).flatten(-2).type_as(x)
 
 
 @wrong(C8, "the result must keep x's dtype")
@@ -1765,7 +1832,7 @@ def graded_points(check: str, replace: dict) -> tuple[int, dict[str, str | None]
     functions = reference_functions(check)
     functions.update(replace)
     graded, earned, messages = load_check(check), 0, {}
-    for title, (_, points) in graded.cases.items():
+    for title, (_, points, _) in graded.cases.items():
         try:
             graded.grade(title, *functions.values())
             earned += points
@@ -1798,23 +1865,16 @@ def test_module_check_grades_the_reference_fully(check, capsys):
     assert earned == 0 and all("not written yet" in m for m in messages.values()), messages
 
 
-# Exercises with no call to rule out: no function of the module or of PyTorch computes an
-# additive score, and the loop that exercise rules out cannot be trapped by name.
-NOTHING_TO_FORBID = {"check_additive_scores"}
-
-
 @pytest.mark.parametrize("check", CHECK_NAMES)
 def test_module_check_forbids_something_and_has_a_shortcut(check):
     """Every exercise rules something out (at least the module's or PyTorch's version of what
-    it asks for), and the catalogue holds an answer that calls it."""
+    it asks for, or, for the additive scores, a loop), and the catalogue holds an answer that
+    does it, which earns nothing."""
     graded = load_check(check)
-    if check in NOTHING_TO_FORBID:
-        assert not graded.forbidden
-        return
-    assert graded.forbidden, f"{check}: no forbidden calls"
-    shortcuts = [name for _, fragment, _, fn in WRONG[check]
-                 for name in [fn.__name__] if fragment.startswith("it calls ")]
-    assert shortcuts, f"{check}: no shortcut answer in the catalogue"
+    assert graded.rules or graded._inspect, f"{check}: nothing ruled out"
+    shortcuts = [fn.__name__ for _, _, _, fn in WRONG[check]
+                 if EARNS[check, fn.__name__] == "nothing" and fn.__name__ in FORBIDDEN_WORK]
+    assert shortcuts, f"{check}: no forbidden answer in the catalogue"
 
 
 @pytest.mark.parametrize("check, replaces, fn", RIGHT_CASES)
@@ -1823,7 +1883,7 @@ def test_check_accepts_a_correct_answer_written_differently(check, replaces, fn)
 
 
 def test_no_chapter_defines_a_check_of_its_own():
-    # A check lives in code/checks.py, where nbgrader grades it case by case; a check_* written
+    # A check lives in code/checks_<chapter>.py, where nbgrader grades it case by case; a check_* written
     # in a chapter cell would grade all or nothing and escape this file's catalogue.
     for chapter in CHAPTERS:
         for cell in chapter.cells:
@@ -1831,7 +1891,7 @@ def test_no_chapter_defines_a_check_of_its_own():
                 continue
             defined = [node.name for node in ast.parse(cell.source).body
                        if isinstance(node, ast.FunctionDef) and node.name.startswith("check_")]
-            assert not defined, f"{chapter.name}: {defined} defined in a cell, not code/checks.py"
+            assert not defined, f"{chapter.name}: {defined} defined in a cell, not code/checks_*.py"
 
 
 def test_every_check_has_a_catalogue():

@@ -29,14 +29,29 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 CHAPTER_DOC = re.compile(r"chapters/\d\d-[\w-]+$")  # a numbered chapter's docname
 
 # The book's code, every file of code/, in the order a notebook imports it: the module, its
-# siblings of Part III (which may import it), the explorable figures' helper, and the exercises'
-# checks (which import them all).
-CODE_FILES = ("attention.py", "position.py", "flash.py", "explorable.py", "checks.py")
+# siblings of Part III (which may import it), the explorable figures' helper, the checks'
+# machinery, and each chapter's checks (checks_<chapter>.py, which import all of those).
+TEACHING_FILES = ("attention.py", "position.py", "flash.py", "explorable.py")
+CHECKING_FILE = "checking.py"
+CHECK_FILES = tuple(sorted(path.name for path in (ROOT / "code").glob("checks_*.py")))
+CODE_FILES = (*TEACHING_FILES, CHECKING_FILE, *CHECK_FILES)
+IMPORTED_CHECKS = re.compile(r"^from (checks_\w+) import", re.M)
+
+
+def code_files(text: str) -> tuple[str, ...]:
+    """The files of code/ that a chapter or notebook needs, from its text (a chapter's source,
+    or its cells' sources joined): the teaching modules, the checks' machinery and the checks
+    files its cells import."""
+    imported = {f"{module}.py" for module in IMPORTED_CHECKS.findall(text)}
+    unknown = imported - set(CHECK_FILES)
+    if unknown:
+        raise ValueError(f"no file code/{sorted(unknown)[0]} for an imported check")
+    return (*TEACHING_FILES, CHECKING_FILE, *(name for name in CHECK_FILES if name in imported))
 
 # Cell tags of the notebooks made from the chapters.
 SETUP = "setup"          # the setup cell (also remove-cell, as in the book)
 EXERCISE = "exercise"    # an exercise's statement, a markdown cell of its own
-CHECK = "check"          # a cell that imports a check of code/checks.py
+CHECK = "check"          # a cell that imports a check of code/checks_<chapter>.py
 SOLUTION = "solution"    # a cell of a solution (in the sources too, on code cells)
 STUB = "stub"            # student notebooks: the functions of an answer, bodies to write
 CHECK_CALL = "check-call"  # student notebooks: the call of the check on them
@@ -72,7 +87,7 @@ def torch_pin() -> str:
 # at the book's ref. In the book the module is importable and the fetch never runs.
 SETUP_TEMPLATE = '''\
 # Setup, hidden in the book. Makes the book's code importable (the module code/attention.py,
-# its siblings and the exercises' checks code/checks.py): from the repository when the notebook
+# its siblings and this chapter's checks, code/checks_*.py): from the repository when the notebook
 # sits in it, else (Colab, a download) fetched once into this folder. Without myst_nb, glue()
 # just shows its value. Then: reproducible SVG figures, short tensor printing, and the torch
 # version, compared with the one the book's text was checked with.
@@ -115,9 +130,10 @@ print(f"torch {torch.__version__}", "" if torch.__version__.split("+")[0] == BOO
 SETUP_TAGS = ["remove-cell", SETUP]
 
 
-def setup_source() -> str:
-    """The setup cell's code, with _config.yml's address and requirements.txt's torch."""
-    modules = tuple(name.removesuffix(".py") for name in CODE_FILES)
+def setup_source(files: tuple[str, ...] = CODE_FILES) -> str:
+    """The setup cell's code, with _config.yml's address and requirements.txt's torch, for a
+    notebook that needs `files` of code/ (code_files says which)."""
+    modules = tuple(name.removesuffix(".py") for name in files)
     return (SETUP_TEMPLATE.replace("@RAW@", repository()["raw"])
             .replace("@TORCH@", torch_pin()).replace("@MODULES@", repr(modules)))
 
@@ -152,11 +168,11 @@ def with_setup_cell(text: str, setup_file: str) -> str:
     return "\n".join(front + [""] * room + cell + lines[end + 1:])
 
 
-def setup_cell():
+def setup_cell(files: tuple[str, ...] = CODE_FILES):
     """The setup cell of a chapter notebook, folded as in the book."""
     import nbformat
 
-    cell = nbformat.v4.new_code_cell(setup_source())
+    cell = nbformat.v4.new_code_cell(setup_source(files))
     cell.metadata["tags"] = list(SETUP_TAGS)
     return cell
 
@@ -174,7 +190,7 @@ def chapter_notebook(path: pathlib.Path):
     if first.cell_type != "markdown" or title is None:
         raise ValueError(f"{path.name}: the first cell must hold the chapter's title")
     first.source = "\n".join(lines[:title + 1])
-    cells = [first, setup_cell()]
+    cells = [first, setup_cell(code_files(path.read_text()))]
     rest = "\n".join(lines[title + 1:]).strip("\n")
     if rest:
         cells.append(nbformat.v4.new_markdown_cell(rest))
@@ -359,15 +375,15 @@ def without_solution_heading(source: str) -> str:
 
 
 def imported_checks(source: str) -> list[str]:
-    """The checks of code/checks.py that a code cell imports (`from checks import check_x`)."""
-    if "checks" not in source:
+    """The checks that a code cell imports (`from checks_masking import check_x`)."""
+    if "checks_" not in source:
         return []
     try:
         tree = ast.parse(source)
     except SyntaxError:  # IPython magics, as in the setup cell
         return []
     return [alias.name for node in tree.body
-            if isinstance(node, ast.ImportFrom) and node.module == "checks"
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("checks_")
             for alias in node.names if alias.name.startswith("check_")]
 
 

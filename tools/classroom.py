@@ -287,23 +287,30 @@ def nbgrader_source(notebook):
 
 def graded_tests(calls: str, names: str) -> list[tuple[str, str, int]]:
     """(grade id, source, points) of the test cells that grade an answer: one per case of a
-    check of code/checks.py (`check_x.grade("case", f)`), worth that case's points."""
+    check of code/checks_<chapter>.py, worth that case's points. Each cell imports the check
+    itself (`from checks_x import check_x` then `check_x.grade("case", f)`), so that a check
+    redefined in an answer cell grades nothing."""
     import sys
 
     if str(ROOT / "code") not in sys.path:
         sys.path.insert(0, str(ROOT / "code"))
-    import checks
+    import checking
 
     tests = []
     for line in calls.splitlines():
         match = re.fullmatch(r"(check_\w+)\((.*)\)", line.strip())
-        check = getattr(checks, match.group(1), None) if match else None
-        if not isinstance(check, checks.Check):
-            raise ValueError(f"{line.strip()!r}: a solution calls a check that code/checks.py "
-                             "does not define")
-        for number, (title, (_, worth)) in enumerate(check.cases.items(), 1):
+        try:
+            check = checking.find_check(match.group(1)) if match else None
+        except KeyError:
+            check = None
+        if not isinstance(check, checking.Check):
+            raise ValueError(f"{line.strip()!r}: a solution calls a check that no "
+                             "code/checks_*.py defines")
+        module = check.module
+        for number, (title, (_, worth, _)) in enumerate(check.cases.items(), 1):
             slug = re.sub(r"[^a-z0-9]+", "-", title.lower()).strip("-")
             tests.append((f"test-{names}-{number}-{slug}",
+                          f"from {module} import {match.group(1)}\n"
                           f"{match.group(1)}.grade({title!r}, {match.group(2)})", worth))
     return tests
 
@@ -326,8 +333,8 @@ def assignment_note(notebook) -> str:
     manual = [g for g in graded if g["solution"]]
     points = lambda cells: sum(g["points"] for g in cells)
     plural = lambda n, word: f"{n} {word}{'s' * (n != 1)}"
-    # graded_tests writes each test cell as `check_x.grade(...)`
-    checks = [c.source.partition(".grade(")[0] for c in notebook.cells
+    # graded_tests writes each test cell as `from checks_y import check_x` + `check_x.grade(...)`
+    checks = [c.source.partition(".grade(")[0].rpartition("\n")[2] for c in notebook.cells
               if c.metadata.get("nbgrader", {}).get("grade")
               and not c.metadata["nbgrader"]["solution"]]
     functions = ", ".join(f"`{name}`" for name in dict.fromkeys(checks))
@@ -343,7 +350,7 @@ def assignment_note(notebook) -> str:
         "that every case passes. Every other exercise has an answer cell right below its "
         "statement (`YOUR ANSWER HERE`): write your derivation, proof or conclusion there, "
         "with your code in the cell below it where the exercise computes. Do not edit the locked cells (the first one, which makes the "
-        "book's module `attention.py` importable, and the cells that define the checks): "
+        "book's code importable, and the cells that import the checks): "
         "grading restores them. When you are done, restart the kernel, run every cell from "
         "the top, save, and hand in this folder the way your course says (nbgrader's "
         "Assignments tab, or an upload).")
@@ -397,6 +404,11 @@ def course_plan(course: pathlib.Path, chapters: list[str]) -> dict[str, dict]:
     return result
 
 
+def notebook_text(notebook) -> str:
+    """The sources of a notebook's cells, joined: what code_files reads."""
+    return "\n".join(cell.source for cell in notebook.cells)
+
+
 def merged_sheet(title: str, sheets: list):
     """Several exercise sheets as one notebook: one title and setup cell, then each chapter's
     pointer, imports and exercises."""
@@ -409,6 +421,8 @@ def merged_sheet(title: str, sheets: list):
         cells += sheet.cells[2:]
     merged = nbformat.v4.new_notebook(metadata=copy.deepcopy(sheets[0].metadata))
     merged.cells = copy.deepcopy(cells)
+    # the setup cell makes every merged chapter's checks importable
+    merged.cells[1].source = structure.setup_source(structure.code_files(notebook_text(merged)))
     return _renumbered(merged)  # the chapters' cell ids repeat
 
 
@@ -463,7 +477,7 @@ def write_assignments(out: pathlib.Path) -> list[pathlib.Path]:
     Run again after a change to the book, it rewrites the source notebooks and the files the
     book provides, and nothing else: gradebook.db, release/, submitted/, autograded/,
     feedback/, course.yml and course_config.py stay as they are. Each assignment folder also
-    holds the book's code (CODE_FILES), which nbgrader releases with the notebook,
+    holds the book's code it needs (code_files), which nbgrader releases with the notebook,
     so the notebook's first cell finds it beside it, offline.
     """
     import shutil
@@ -496,7 +510,10 @@ def write_assignments(out: pathlib.Path) -> list[pathlib.Path]:
         folder = out / "source" / name
         folder.mkdir(parents=True, exist_ok=True)
         nbformat.write(_renumbered(notebook), folder / f"{name}.ipynb")
-        for code in CODE_FILES:
+        for old in folder.glob("*.py"):  # files of the book's code from an earlier plan
+            if old.name in CODE_FILES or old.name == "checks.py":
+                old.unlink()
+        for code in structure.code_files(notebook_text(notebook)):
             shutil.copy(ROOT / "code" / code, folder / code)
         written.append(folder / f"{name}.ipynb")
     return written

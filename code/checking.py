@@ -1,0 +1,536 @@
+"""The machinery of the exercises' checks: what a student runs while working, and what an
+nbgrader assignment grades. Each chapter's checks are in a file of their own, checks_<chapter>.py
+(checks_masking.py for chapter 5), made of the pieces here.
+
+A check is a list of *cases*, each worth points and each a small function that raises
+`AssertionError` with a message naming the mistake. A student calls the check on their function
+and sees every case pass or fail:
+
+    check_stable_softmax(stable_softmax)
+
+A graded cell of an assignment runs one case, so that a partly right answer earns part of the
+points:
+
+    check_stable_softmax.grade("fully masked rows", stable_softmax)
+
+**What the answer runs is what counts.** While a case runs the student's function, the check
+records every ATen operator it dispatches (PyTorch's legacy autograd profiler, which records each
+call the dispatcher makes, composite operators included, in this thread only, and prints nothing)
+and every Python function it enters (`sys.setprofile`). An exercise's `Rule`s name what it rules
+out: families of operators by name (every softmax and log-softmax kernel, every fused attention
+kernel, ...) and Python functions (the module's own `softmax` where the exercise is to write it),
+recognised by their code, so that a copy pasted into the notebook is recognised too. However the
+work is reached (another alias, `torch.ops.aten`, a default argument captured at definition, a
+closure, an object holding it, TorchScript), the operators that run are the same, and every case
+gives such an answer no points: the check first runs all its cases once to look for forbidden
+work (`Check.forbidden_work`), so an answer that takes a shortcut on some inputs only earns
+nothing either. A dispatch mode (`TorchDispatchMode`) would not do: it sits below the composite
+operators, so `torch.logsumexp` or PyTorch's attention on its math path reach it as the plain
+`amax`, `exp`, `sum` and `matmul` an answer is allowed to use (tests/test_checking.py shows it).
+
+**A check never crashes.** Whatever the answer raises or returns, the case fails with a message;
+an error in comparing a result of an unexpected kind is a failed case too. The answer's floating
+results are compared in the dtype of the inputs, whatever dtype it computed in, except in cases
+registered with `keeps_dtype=True`, where the exercise requires the input's dtype and the
+message says so.
+
+**Arguments are compared after the call**: each check has a case, "arguments left unchanged",
+that fails an answer which modifies a tensor it was given (`masked_fill_` on the scores, say).
+
+Expected values come from loops, from the module where the exercise is not the module's
+function, or from PyTorch: a check shows what is compared, never how to write the answer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import inspect
+import math
+import pathlib
+import sys
+import types
+from collections import Counter
+from collections.abc import Callable, Iterable
+
+import torch
+
+__all__ = ["Check", "ForbiddenWork", "NotWritten", "Rule", "Recording", "recording",
+           "all_checks", "find_check", "check_module", "module_rules"]
+
+NOT_WRITTEN = "is not written yet: replace `raise NotImplementedError()` with your code"
+UNCHANGED = "arguments left unchanged"  # the title of the case every check has
+
+
+class ForbiddenWork(AssertionError):
+    """An exercise's answer ran what the exercise rules out."""
+
+
+class NotWritten(Exception):
+    """The answer is still the stub. Not a RuntimeError (as NotImplementedError is), so that a
+    case that turns an answer's RuntimeError into a hint does not catch it."""
+
+
+# ---------------------------------------------------------------------------------------------
+# What an exercise rules out
+
+
+def _code_objects(obj) -> list[types.CodeType]:
+    """The code of a Python function, of every function defined in a class, or of every function
+    of a module (its own, not those it imports)."""
+    if isinstance(obj, types.ModuleType):
+        return [code for value in vars(obj).values()
+                if getattr(value, "__module__", None) == obj.__name__
+                for code in _code_objects(value)]
+    if isinstance(obj, type):
+        codes = []
+        for value in vars(obj).values():
+            if isinstance(value, (staticmethod, classmethod)):
+                value = value.__func__
+            if isinstance(value, property):
+                value = value.fget
+            if inspect.isfunction(value):
+                codes.append(value.__code__)
+        return codes
+    obj = inspect.unwrap(obj)
+    return [obj.__code__] if inspect.isfunction(obj) else []
+
+
+def _fingerprint(code: types.CodeType):
+    """What a copy of a function pasted elsewhere keeps: its bytecode and the names it uses."""
+    return code.co_code, code.co_names
+
+
+class Rule:
+    """One thing an exercise rules out, named `label` in the messages: the ATen operators whose
+    names contain one of the strings in `aten` ("softmax" covers softmax, log_softmax,
+    _safe_softmax, special_softmax, _softmax_backward_data, ...), and the Python functions in
+    `python` (functions, classes: all their methods, or modules: all their functions), by their
+    code. `python` takes objects or a callable returning them, imported when the rule is first
+    used (the module's helpers import torch.nn)."""
+
+    def __init__(self, label: str, aten: Iterable[str] = (), python=()):
+        self.label = label
+        self.aten = tuple(aten)
+        self._python = python
+        self._codes: set | None = None
+        self._prints: set | None = None
+
+    def _load(self):
+        if self._codes is None:
+            objects = self._python() if callable(self._python) else self._python
+            codes = [code for obj in objects for code in _code_objects(obj)]
+            self._codes = set(codes)
+            # A pasted copy is recognised by its bytecode; short functions (a one-line
+            # forward, an __init__ that stores its arguments) could be anyone's.
+            self._prints = {_fingerprint(code) for code in codes if len(code.co_code) >= 40}
+
+    def seen_in(self, recorded: "Recording") -> str | None:
+        """What of this rule the recording shows, or None."""
+        for op in sorted(recorded.ops):
+            if any(part in op for part in self.aten):
+                return f"the operator {op} ran"
+        self._load()
+        for code in recorded.codes:
+            if code in self._codes:
+                return f"{code.co_qualname} ran"
+            if code.co_filename != __file__ and _fingerprint(code) in self._prints:
+                return f"{code.co_qualname} is a copy of the module's code"
+        return None
+
+
+def aten_operator(name: str):
+    """`torch.ops.aten.<name>`, or None where this version of PyTorch has no such operator."""
+    try:
+        return getattr(torch.ops.aten, name)
+    except (AttributeError, RuntimeError):
+        return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Recording what runs
+
+
+class Recording:
+    """The ATen operators (names, with counts) and Python code objects of one call."""
+
+    def __init__(self):
+        self.ops: Counter = Counter()
+        self.codes: set[types.CodeType] = set()
+
+
+def _profiler_config():
+    from torch.autograd import profiler_legacy
+    return profiler_legacy.profile().config()
+
+
+@contextlib.contextmanager
+def recording():
+    """Record the operators dispatched and the Python functions entered in this thread.
+
+    The legacy autograd profiler is used because the current one (Kineto) writes a line to the
+    process's standard error each time it starts and stops, which a notebook shows; where a
+    later PyTorch has no legacy profiler, Kineto's is used."""
+    recorded = Recording()
+    previous = sys.getprofile()
+
+    def enter(frame, event, arg):
+        if event == "call":
+            recorded.codes.add(frame.f_code)
+
+    try:
+        from torch._C._autograd import _disable_profiler_legacy, _enable_profiler_legacy
+        config = _profiler_config()
+    except (ImportError, AttributeError):  # pragma: no cover (a later PyTorch)
+        _enable_profiler_legacy = None
+    if _enable_profiler_legacy is not None:
+        _enable_profiler_legacy(config)
+        sys.setprofile(enter)
+        try:
+            yield recorded
+        finally:
+            sys.setprofile(previous)
+            for thread in _disable_profiler_legacy():
+                recorded.ops.update(event.name() for event in thread if event.kind() == "push")
+        return
+    from torch.profiler import ProfilerActivity, profile  # pragma: no cover
+    with profile(activities=[ProfilerActivity.CPU]) as prof:  # pragma: no cover
+        sys.setprofile(enter)
+        try:
+            yield recorded
+        finally:
+            sys.setprofile(previous)
+    recorded.ops.update(event.name for event in prof.events())  # pragma: no cover
+
+
+# ---------------------------------------------------------------------------------------------
+# Running the answer
+
+
+def _tensors(obj) -> list[tuple[str, torch.Tensor]]:
+    """(where, tensor) for every tensor in nested tuples, lists and dicts."""
+    if isinstance(obj, torch.Tensor):
+        return [("", obj)]
+    if isinstance(obj, (tuple, list)):
+        return [(f"[{i}]{where}", t) for i, item in enumerate(obj) for where, t in _tensors(item)]
+    if isinstance(obj, dict):
+        return [(f"[{k!r}]{where}", t) for k, item in obj.items() for where, t in _tensors(item)]
+    return []
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """a and b hold the same values (NaN equal to NaN), shape and dtype."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    a, b = a.detach(), b.detach()
+    if a.is_floating_point() or a.is_complex():
+        return bool(((a == b) | (a.isnan() & b.isnan())).all())
+    return torch.equal(a, b)
+
+
+def _to_dtype(obj, dtype):
+    """obj with every floating tensor in it converted to dtype."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(dtype) if obj.is_floating_point() and obj.dtype != dtype else obj
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(_to_dtype(item, dtype) for item in obj)
+    if isinstance(obj, list):
+        return [_to_dtype(item, dtype) for item in obj]
+    return obj
+
+
+class Answer:
+    """A student's function as a case sees it: each call is recorded and judged against the
+    check's rules (ForbiddenWork), its arguments are compared after the call, and its floating
+    results come back in the dtype of its floating arguments unless `keep_dtype`."""
+
+    def __init__(self, fn: Callable, rules: tuple[Rule, ...], keep_dtype: bool = False):
+        self.fn, self.rules, self.keep_dtype = fn, rules, keep_dtype
+        self.__name__ = getattr(fn, "__name__", "your function")
+        self.raised: BaseException | None = None  # what the answer itself raised, if anything
+        self.mutated: list[str] = []  # the arguments it modified, described
+        self.forbidden: str | None = None
+        self.not_written = False
+        self.op_counts: list[int] = []  # operators dispatched by each call
+
+    def _named(self, args, kwargs) -> list[tuple[str, torch.Tensor]]:
+        """(name, tensor) for every tensor argument: `scores`, or `caches[0]` in a list."""
+        try:
+            bound = inspect.signature(self.fn).bind(*args, **kwargs).arguments
+        except (TypeError, ValueError):  # a signature that does not fit: positions, then names
+            bound = {**{f"argument {i + 1}": a for i, a in enumerate(args)}, **kwargs}
+        return [(f"{name}{where}", t) for name, value in bound.items()
+                for where, t in _tensors(value)]
+
+    def __call__(self, *args, **kwargs):
+        given = self._named(args, kwargs)
+        before = [t.detach().clone() for _, t in given]
+        recorded = None
+        try:
+            with recording() as recorded:
+                out = self.fn(*args, **kwargs)
+        except NotImplementedError:
+            self.not_written = True
+            raise NotWritten(f"{self.__name__} {NOT_WRITTEN}") from None
+        except Exception as err:
+            self.raised = err
+            raise
+        finally:
+            if recorded is not None:
+                self.op_counts.append(sum(recorded.ops.values()))
+                seen = [(rule.label, what) for rule in self.rules
+                        for what in [rule.seen_in(recorded)] if what]
+                if seen:
+                    self.forbidden = (
+                        f"{self.__name__} uses {' and '.join(label for label, _ in seen)}, "
+                        "which this exercise asks you to write yourself or rules out ("
+                        + "; ".join(what for _, what in seen) + ")")
+                    raise ForbiddenWork(self.forbidden) from None
+        for (name, tensor), old in zip(given, before):
+            if not _same(tensor, old):
+                self.mutated.append(f"argument `{name}` (shape {tuple(old.shape)})")
+        if not self.keep_dtype:
+            dtypes = [t.dtype for _, t in given if t.is_floating_point()]
+            if dtypes:
+                out = _to_dtype(out, dtypes[0])
+        return out
+
+
+class Check:
+    """A named list of cases for one exercise. Call it to check all cases; `.grade(case, ...)`
+    runs one, as a graded test cell does.
+
+    `rules`: what the exercise rules out (Rule). `unchanged`: the title of the case whose inputs
+    the case "arguments left unchanged" reruns, requiring its values right and every tensor
+    argument unchanged. `inspect(*answers)`: forbidden work that no rule names (a loop, say),
+    found by running the Answer objects; returns the message, or None."""
+
+    def __init__(self, name: str, rules: Iterable[Rule] = (), unchanged: str | tuple = (),
+                 inspect: Callable | None = None):
+        self.__name__ = name
+        self.module = sys._getframe(1).f_globals.get("__name__")  # where it is defined
+        self.rules = tuple(rules)
+        self._inspect = inspect
+        self.cases: dict[str, tuple[Callable, int, bool]] = {}
+        self._unchanged = (unchanged,) if isinstance(unchanged, str) else tuple(unchanged)
+        self._looked: dict = {}  # answer -> forbidden work found, or None (see forbidden_work)
+
+    def case(self, title: str, points: int = 1, *, keeps_dtype: bool = False):
+        """Register `function(*answer)` as the case `title`, worth `points`; `keeps_dtype`: the
+        case sees the answer's results in the dtype the answer returned."""
+        def register(function):
+            self.cases[title] = (function, points, keeps_dtype)
+            if title in self._unchanged and UNCHANGED not in self.cases:
+                self.cases[UNCHANGED] = (self._unchanged_case, 1, False)
+            return function
+        return register
+
+    def _unchanged_case(self, *answer):
+        """The cases named `unchanged`, whose values must be right (an answer that does nothing
+        earns nothing here), and then no tensor argument of any call modified."""
+        for title in self._unchanged:
+            self.cases[title][0](*answer)
+        for fn in answer:
+            if fn.mutated:
+                raise AssertionError(
+                    f"{fn.__name__} modified its {fn.mutated[0]} in place; leave the caller's "
+                    "tensors unchanged (masked_fill, not masked_fill_; x = x - m, not x -= m)")
+
+    @property
+    def points(self) -> int:
+        return sum(points for _, points, _ in self.cases.values())
+
+    def _answers(self, answer, keep_dtype=False):
+        return tuple(Answer(fn, self.rules, keep_dtype) for fn in answer)
+
+    def _attempt(self, title: str, answers) -> str | None:
+        """Run the case on the Answer objects: None if it passes, else the message."""
+        function, _, _ = self.cases[title]
+        message = None
+        try:
+            function(*answers)
+        except (NotWritten, ForbiddenWork) as err:
+            message = str(err)
+        except AssertionError as err:
+            message = str(err) or f"an assertion in {answers[0].__name__} failed"
+        except Exception as err:  # noqa: BLE001 (a check never crashes)
+            raised = next((fn for fn in answers if fn.raised is err), None)
+            message = (f"{raised.__name__} raised {type(err).__name__}: {err}" if raised else
+                       f"the check could not compare the result ({type(err).__name__}: {err}); "
+                       "look at the type, shape and dtype of what your function returns")
+        written = next((fn for fn in answers if fn.not_written), None)
+        return f"{written.__name__} {NOT_WRITTEN}" if written else message
+
+    def forbidden_work(self, answer: tuple[Callable, ...]) -> str | None:
+        """The forbidden work the answer does on any case's inputs, or None. Every case runs
+        once, its results ignored; remembered for the same functions."""
+        key = tuple(answer)
+        try:
+            return self._looked[key]
+        except (KeyError, TypeError):
+            pass
+        found = None
+        for title, (function, _, keeps) in self.cases.items():
+            answers = self._answers(answer, keeps)
+            with contextlib.redirect_stdout(None):
+                self._attempt(title, answers)
+            found = next((fn.forbidden for fn in answers if fn.forbidden), None)
+            if found:
+                break
+        if found is None and self._inspect is not None:
+            answers = self._answers(answer)
+            with contextlib.redirect_stdout(None):
+                try:
+                    found = self._inspect(*answers)
+                except Exception:  # noqa: BLE001 (a broken answer is for the cases to name)
+                    found = next((fn.forbidden for fn in answers if fn.forbidden), None)
+        with contextlib.suppress(TypeError):
+            self._looked[key] = found
+        return found
+
+    def _run(self, title: str, answer: tuple[Callable, ...]) -> str | None:
+        """None if the case passes, else the message naming the mistake."""
+        _, _, keeps = self.cases[title]
+        answers = self._answers(answer, keeps)
+        message = self._attempt(title, answers)
+        if message is not None and NOT_WRITTEN in message:
+            return message
+        forbidden = next((fn.forbidden for fn in answers if fn.forbidden), None)
+        return forbidden or self.forbidden_work(answer) or message
+
+    def __call__(self, *answer: Callable) -> None:
+        """Run every case on the answer and print each result; AssertionError listing the
+        failed cases if any fails (or just saying so if the answer is not written yet)."""
+        results = {title: self._run(title, answer) for title in self.cases}
+        failed = {title: message for title, message in results.items() if message is not None}
+        if failed and all(NOT_WRITTEN in message for message in failed.values()):
+            raise AssertionError(next(iter(failed.values())))
+        lines = []
+        for title, message in results.items():
+            points = self.cases[title][1]
+            worth = f"{points} point{'s' * (points != 1)}"
+            lines.append(f"pass  {title} ({worth})" if message is None else
+                         f"FAIL  {title} ({worth}): {message}")
+        if not failed:
+            lines.append(f"{self.__name__}: all {len(self.cases)} cases pass.")
+        # One write for the whole report: a kernel's output stream has been seen to repeat the
+        # tail of many quick writes (once in the suite's runs), which the notebook tests catch.
+        print("\n".join(lines))
+        if failed:
+            raise AssertionError(f"{len(failed)} of {len(self.cases)} cases fail:\n" + "\n".join(
+                f"{title}: {message}" for title, message in failed.items()))
+
+    def grade(self, title: str, *answer: Callable) -> None:
+        """Run one case; AssertionError with the mistake if it fails (nbgrader then gives the
+        cell no points)."""
+        if title not in self.cases:
+            raise KeyError(f"{self.__name__} has no case {title!r}; its cases: "
+                           + ", ".join(self.cases))
+        message = self._run(title, answer)
+        if message is not None:
+            raise AssertionError(f"{title}: {message}")
+        print(f"{title}: passed")
+
+
+# ---------------------------------------------------------------------------------------------
+# What several chapters' checks share
+
+
+def softmax_rules(module_softmax: bool = True) -> list[Rule]:
+    """A softmax written by hand: no softmax or log-softmax kernel, no logsumexp (which does the
+    shifting for you), no attention kernel (a softmax in disguise, with identity keys and
+    values), and the module's own softmax."""
+    rules = [Rule("a ready-made softmax (torch.softmax, F.softmax, Tensor.softmax, "
+                  "torch.special.softmax, log_softmax, ...)", aten=("softmax",)),
+             Rule("torch.logsumexp or torch.logaddexp", aten=("logsumexp", "logaddexp")),
+             attention_rule()]
+    if module_softmax:
+        rules += module_rules("softmax")
+    return rules
+
+
+def attention_rule() -> Rule:
+    """PyTorch's attention, in any form: its fused kernels and its math path, the functional
+    multi-head attention, nn.MultiheadAttention and the Transformer layers, flex attention."""
+    def objects():
+        import torch.nn.attention as attention_package
+        from torch import nn
+        objs = [nn.functional.multi_head_attention_forward, nn.MultiheadAttention,
+                nn.TransformerEncoderLayer, nn.TransformerDecoderLayer, attention_package]
+        with contextlib.suppress(ImportError):
+            from torch.nn.attention import bias, flex_attention
+            objs += [bias, bias.CausalBias, flex_attention]
+        return objs
+    return Rule("PyTorch's attention (scaled_dot_product_attention, MultiheadAttention, ...)",
+                aten=("scaled_dot_product", "multi_head_attention", "_transformer_encoder",
+                      "flash_attention", "efficient_attention", "_fused_sdp"),
+                python=objects)
+
+
+def module_rules(*names: str, module: str = "attention") -> list[Rule]:
+    """The book's own functions (or classes, or methods: "MultiHeadAttention.split_heads")
+    `names` of `module`, a rule each."""
+    def rule(name):
+        return Rule(f"the module's {name}", python=lambda: [
+            functools.reduce(getattr, name.split("."), importlib.import_module(module))])
+    return [rule(name) for name in names]
+
+
+def tensor_like(out, expected_shape, where: str) -> None:
+    assert isinstance(out, torch.Tensor), f"{where}: expected a tensor, got {type(out).__name__}"
+    assert tuple(out.shape) == tuple(expected_shape), (
+        f"{where}: expected shape {tuple(expected_shape)}, got {tuple(out.shape)}")
+
+
+def attention_by_loops(x, w_q, w_k, w_v, scale=None, keys_first=False):
+    """(output, weights) of self-attention in float64, one token and one pair at a time;
+    `scale` and `keys_first` give the named mistakes."""
+    x, w_q, w_k, w_v = (t.double() for t in (x, w_q, w_k, w_v))
+    T, d_k, d_v = x.shape[-2], w_k.shape[-1], w_v.shape[-1]
+    scale = 1 / d_k ** 0.5 if scale is None else scale
+    outputs, all_weights = [], []
+    for seq in x.reshape(-1, T, x.shape[-1]):  # each sequence of the batch
+        q = [seq[t] @ w_q for t in range(T)]
+        k = [seq[t] @ w_k for t in range(T)]
+        v = [seq[t] @ w_v for t in range(T)]
+        for i in range(T):
+            row = [float((k[i] @ q[j]) if keys_first else (q[i] @ k[j])) * scale
+                   for j in range(T)]
+            top = max(row)
+            exps = [torch.tensor(z - top, dtype=torch.float64).exp() for z in row]
+            a = [e / sum(exps) for e in exps]
+            all_weights.append(torch.stack(a))
+            outputs.append(sum((a[j] * v[j] for j in range(T)), torch.zeros(d_v).double()))
+    return (torch.stack(outputs).reshape(*x.shape[:-1], d_v),
+            torch.stack(all_weights).reshape(*x.shape[:-1], T))
+
+
+
+# ---------------------------------------------------------------------------------------------
+# Finding the checks
+
+
+HERE = pathlib.Path(__file__).resolve().parent
+
+
+def check_module(chapter: str) -> str:
+    """The module of a chapter's checks: "05-masking" -> "checks_masking"."""
+    return "checks_" + chapter.split("-", 1)[1].replace("-", "_")
+
+
+def all_checks() -> dict[str, Check]:
+    """Every check of every chapter, by name (imports every checks_*.py beside this file)."""
+    found = {}
+    for path in sorted(HERE.glob("checks_*.py")):
+        module = importlib.import_module(path.stem)
+        found.update({name: value for name, value in vars(module).items()
+                      if isinstance(value, Check)})
+    return found
+
+
+def find_check(name: str) -> Check:
+    try:
+        return all_checks()[name]
+    except KeyError:
+        raise KeyError(f"no checks_*.py file defines {name}") from None
