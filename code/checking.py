@@ -17,7 +17,7 @@ points:
 records every ATen operator it dispatches (PyTorch's legacy autograd profiler, which records each
 call the dispatcher makes, composite operators included, in this thread only, and prints nothing)
 and every Python function it enters (`sys.setprofile`). An exercise's `Rule`s name what it rules
-out: families of operators by name (every softmax and log-softmax kernel, every fused attention
+out: families of operators by name (every softmax and log-softmax kernel, every attention
 kernel, ...) and Python functions (the module's own `softmax` where the exercise is to write it),
 recognised by their code, so that a copy pasted into the notebook is recognised too. However the
 work is reached (another alias, `torch.ops.aten`, a default argument captured at definition, a
@@ -25,8 +25,9 @@ closure, an object holding it, TorchScript), the operators that run are the same
 gives such an answer no points: the check first runs all its cases once to look for forbidden
 work (`Check.forbidden_work`), so an answer that takes a shortcut on some inputs only earns
 nothing either. A dispatch mode (`TorchDispatchMode`) would not do: it sits below the composite
-operators, so `torch.logsumexp` or PyTorch's attention on its math path reach it as the plain
-`amax`, `exp`, `sum` and `matmul` an answer is allowed to use (tests/test_checking.py shows it).
+operators, so PyTorch's attention on its math path (3-D inputs, or `sdpa_kernel(MATH)`) reaches
+it as the `bmm`, `mul` and softmax that an attention exercise allows (tests/test_checking.py
+shows it); the profiler records the composite call itself.
 
 **A check never crashes.** Whatever the answer raises or returns, the case fails with a message;
 an error in comparing a result of an unexpected kind is a failed case too. The answer's floating
@@ -44,6 +45,7 @@ function, or from PyTorch: a check shows what is compared, never how to write th
 from __future__ import annotations
 
 import contextlib
+import dis
 import functools
 import importlib
 import inspect
@@ -97,9 +99,19 @@ def _code_objects(obj) -> list[types.CodeType]:
     return [obj.__code__] if inspect.isfunction(obj) else []
 
 
+_LOCAL = set(dis.haslocal)
+_JUMP = set(dis.hasjrel) | set(dis.hasjabs)
+_SKIP = {"CACHE", "PRECALL", "NOP", "RESUME", "EXTENDED_ARG"}
+
+
 def _fingerprint(code: types.CodeType):
-    """What a copy of a function pasted elsewhere keeps: its bytecode and the names it uses."""
-    return code.co_code, code.co_names
+    """What a copy of a function pasted elsewhere keeps: its instructions with the names,
+    constants and locals they use (by their index), leaving out jump offsets and the
+    instructions that the same source compiles to differently in another module."""
+    return tuple((ins.opname.replace("LOAD_METHOD", "LOAD_ATTR"),
+                  None if ins.opcode in _JUMP else ins.arg if ins.opcode in _LOCAL
+                  else repr(ins.argval))
+                 for ins in dis.get_instructions(code) if ins.opname not in _SKIP)
 
 
 class Rule:
@@ -116,15 +128,18 @@ class Rule:
         self._python = python
         self._codes: set | None = None
         self._prints: set | None = None
+        self._names: set = set()
 
     def _load(self):
         if self._codes is None:
             objects = self._python() if callable(self._python) else self._python
             codes = [code for obj in objects for code in _code_objects(obj)]
             self._codes = set(codes)
-            # A pasted copy is recognised by its bytecode; short functions (a one-line
+            # A pasted copy is recognised by its instructions; short functions (a one-line
             # forward, an __init__ that stores its arguments) could be anyone's.
-            self._prints = {_fingerprint(code) for code in codes if len(code.co_code) >= 40}
+            self._prints = {(code.co_names, _fingerprint(code)) for code in codes
+                            if len(code.co_code) >= 40}
+            self._names = {names for names, _ in self._prints}
 
     def seen_in(self, recorded: "Recording") -> str | None:
         """What of this rule the recording shows, or None."""
@@ -135,7 +150,8 @@ class Rule:
         for code in recorded.codes:
             if code in self._codes:
                 return f"{code.co_qualname} ran"
-            if code.co_filename != __file__ and _fingerprint(code) in self._prints:
+            if (code.co_names in self._names and code.co_filename != __file__
+                    and (code.co_names, _fingerprint(code)) in self._prints):
                 return f"{code.co_qualname} is a copy of the module's code"
         return None
 
@@ -219,6 +235,17 @@ def _tensors(obj) -> list[tuple[str, torch.Tensor]]:
     return []
 
 
+def _cloned(obj):
+    """obj with every tensor in nested tuples, lists and dicts cloned."""
+    if isinstance(obj, torch.Tensor):
+        return obj.clone()
+    if isinstance(obj, (tuple, list)) and not hasattr(obj, "_fields"):
+        return type(obj)(_cloned(item) for item in obj)
+    if isinstance(obj, dict):
+        return {key: _cloned(value) for key, value in obj.items()}
+    return obj
+
+
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     """a and b hold the same values (NaN equal to NaN), shape and dtype."""
     if a.shape != b.shape or a.dtype != b.dtype:
@@ -264,6 +291,10 @@ class Answer:
                 for where, t in _tensors(value)]
 
     def __call__(self, *args, **kwargs):
+        # The answer gets copies, so that what it does to them never reaches the case's own
+        # tensors (from which the case may still compute what it expects); the copies keep the
+        # autograd graph, so a gradient still reaches the case's leaves.
+        args, kwargs = _cloned(args), _cloned(kwargs)
         given = self._named(args, kwargs)
         before = [t.detach().clone() for _, t in given]
         recorded = None

@@ -39,7 +39,7 @@ def _random_inputs() -> dict[str, torch.Tensor]:
     for batch in ((), (), (int(torch.randint(1, 4, (), generator=gen)),)):
         T, d = (int(n) for n in torch.randint(1, 8, (2,), generator=gen))
         x = 3 * torch.randn(*batch, T, d, generator=gen)
-        inputs[f"random {tuple(x.shape)}"] = x
+        inputs[f"drawn at random {tuple(x.shape)}"] = x
     return inputs
 
 
@@ -133,5 +133,5 @@ def _(fn):
 @check_simple_self_attention.case("values: sizes drawn at random")
 def _(fn):
     for name, x in _ssa_inputs().items():
-        if name.startswith("random ("):
+        if name.startswith("drawn at random"):
             _ssa_values(fn, name, x)

@@ -122,6 +122,7 @@ def _(split_heads, merge_heads):
 
 @check_split_merge.case("split_heads: ValueError when H does not divide D")
 def _(split_heads, merge_heads):
+    _split_values(split_heads, _heads_inputs(((1, 2, 6, 3),)))  # 3 heads do divide 6
     try:
         split_heads(torch.zeros(1, 2, 6), 4)
     except ValueError:
