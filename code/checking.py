@@ -354,6 +354,8 @@ class Check:
             self.cases[title] = (function, points, keeps_dtype)
             if title in self._unchanged and UNCHANGED not in self.cases:
                 self.cases[UNCHANGED] = (self._unchanged_case, 1, False)
+            if UNCHANGED in self.cases:  # always the last case
+                self.cases[UNCHANGED] = self.cases.pop(UNCHANGED)
             return function
         return register
 

@@ -142,6 +142,11 @@ def _(fn):
     # computed in x's dtype are off by a radian; float16 is off by as much near p = 2000.
     positions = torch.tensor([0, 1, 255, 301, 777, 1500, 2047])
     x = torch.randn(len(positions), 8, generator=torch.Generator().manual_seed(3))
+    where = f"x ({len(positions)}, 8) float32, positions {positions.tolist()}"
+    wide = _rope_call(fn, where, x, positions).double()
+    assert torch.allclose(wide, _rope_by_loops(x, positions), rtol=1e-4, atol=1e-4), (
+        f"{where}: the rotation is wrong in float32 already (the other cases say how); this "
+        "case then checks it in bfloat16 and float16")
     for dtype, tol in ((torch.bfloat16, 4e-2), (torch.float16, 5e-3)):
         where = f"x ({len(positions)}, 8) {str(dtype).split('.')[1]}, positions {positions.tolist()}"
         half = x.to(dtype)

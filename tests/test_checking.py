@@ -698,7 +698,7 @@ def _rope_angles_in(dtype_of):
 
 add(C8, 5, "angles in x's half-precision dtype", PART, "compute the angles p * frequency in "
     "float64", rope_interleaved=_rope_angles_in(lambda x: x.dtype))
-add(C8, 5, "angles in bfloat16 always", PART, "compute the angles",
+add(C8, 5, "angles in bfloat16 always", PART, "low precision",
     rope_interleaved=_rope_angles_in(lambda x: torch.bfloat16))
 
 

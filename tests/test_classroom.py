@@ -260,10 +260,10 @@ def make(target: str, course: pathlib.Path, assignment: str = "") -> str:
     return proc.stdout
 
 
-# A check traps its forbidden calls by replacing them on their modules for the length of a case
-# (checks.forbidding), so two cases must not run at once in one process: the `graded` fixture
-# builds its submissions in two threads, and a case of one chapter would otherwise meet the trap
-# of another (seen: a mistake expected to earn 1 point in-process where nbgrader gave 3).
+# A check records what an answer runs in its own thread only (checking.recording), but chapter
+# 3's check sets PyTorch's global generator for a moment to see whether an answer reseeds it
+# (checks_scaling._reseeds), so two cases must not run at once in one process: the `graded`
+# fixture builds its submissions in two threads.
 IN_PROCESS_GRADING = threading.Lock()
 
 
@@ -336,6 +336,37 @@ def mistaken_submission(course: pathlib.Path, name: str, earns: str) -> dict[str
     return expected
 
 
+REDEFINED_CHECK = """
+
+class _AlwaysPasses:  # what a student might try: a check that passes everything
+    def grade(self, *args, **kwargs):
+        print("passed")
+
+    def __call__(self, *args, **kwargs):
+        print("all cases pass")
+
+
+{names} = {instances}
+"""
+
+
+def redefining_submission(course: pathlib.Path, name: str) -> None:
+    """The release with its answers left as stubs, and every check redefined in each answer cell
+    to pass everything, as student "redefines": the graded cells import the checks themselves,
+    so it earns what a blank notebook earns from them, nothing."""
+    folder = course / "submitted" / "redefines" / name
+    shutil.copytree(course / "release" / name, folder, dirs_exist_ok=True)
+    notebook = read(folder / f"{name}.ipynb")
+    checks = sorted({GRADED_TEST.match(c.source).group(1) for c in notebook.cells
+                     if GRADED_TEST.match(c.source)})
+    for cell in notebook.cells:
+        meta = cell.metadata.get("nbgrader", {})
+        if meta.get("solution") and not meta.get("grade"):
+            cell.source += REDEFINED_CHECK.format(
+                names=", ".join(checks), instances=", ".join("_AlwaysPasses()" for _ in checks))
+    nbformat.write(notebook, folder / f"{name}.ipynb")
+
+
 def grade_chapter(course: pathlib.Path, name: str) -> dict:
     """release, then autograde the source (as 'reference'), the blank release and two
     submissions made of catalogue answers ('part', 'nothing'), and write feedback, each with its
@@ -345,6 +376,7 @@ def grade_chapter(course: pathlib.Path, name: str) -> dict:
         target = course / "submitted" / student / name
         shutil.copytree(course / folder / name, target, dirs_exist_ok=True)
     expected = {earns: mistaken_submission(course, name, earns) for earns in ("part", "nothing")}
+    redefining_submission(course, name)
     summary = make("autograde", course, name)
     make("feedback", course, name)
     result = {student: (row["auto"], row["max_auto"], row["max_manual"])
@@ -588,6 +620,16 @@ def test_nbgrader_gives_part_for_a_mistake_and_nothing_for_a_forbidden_call(grad
 
 
 @pytest.mark.book
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_nbgrader_a_check_redefined_in_an_answer_grades_nothing(graded, path):
+    """Each graded cell imports its check itself: a submission whose answer cells redefine
+    every check to pass everything, its answers left unwritten, earns no automatic point."""
+    run = graded[path.stem]
+    assert run["scores"]["redefines"][0] == 0, run["scores"]["redefines"]
+    assert set(run["by_check"]["redefines"].values()) == {0.0}, run["by_check"]["redefines"]
+
+
+@pytest.mark.book
 def test_autograde_summary_and_grades_csv(graded):
     one = graded[NOTEBOOKS[0].stem]
     got, full, _ = one["scores"]["reference"]
@@ -595,7 +637,7 @@ def test_autograde_summary_and_grades_csv(graded):
     course = one["course"]
     make("grades", course)
     rows = (course / "grades.csv").read_text().splitlines()
-    assert rows[0].startswith("assignment,") and len(rows) == 5, rows
+    assert rows[0].startswith("assignment,") and len(rows) == 6, rows
 
 
 @pytest.mark.book
