@@ -22,7 +22,9 @@ kernel, ...) and Python functions (the module's own `softmax` where the exercise
 recognised by their code, so that a copy pasted into the notebook is recognised too. However the
 work is reached (another alias, `torch.ops.aten`, a default argument captured at definition, a
 closure, an object holding it, TorchScript), the operators that run are the same, and every case
-gives such an answer no points: the check first runs all its cases once to look for forbidden
+gives such an answer no points. The recording sees this thread only, so an answer that hands
+work to another thread or process (threading, a queue, a thread pool, subprocess, os.system) or
+switches the recording off (sys.setprofile, the profiler) is refused as well: the check first runs all its cases once to look for forbidden
 work (`Check.forbidden_work`), so an answer that takes a shortcut on some inputs only earns
 nothing either. A dispatch mode (`TorchDispatchMode`) would not do: it sits below the composite
 operators, so PyTorch's attention on its math path (3-D inputs, or `sdpa_kernel(MATH)`) reaches
@@ -174,6 +176,26 @@ class Recording:
     def __init__(self):
         self.ops: Counter = Counter()
         self.codes: set[types.CodeType] = set()
+        self.tampered = False  # the answer switched the recording off
+        self.elsewhere: str | None = None  # it ran work where the recording cannot see
+
+    def seen_elsewhere(self) -> str | None:
+        """Work handed to another thread or process, which this thread's recording cannot
+        see: a call of the modules that do that, or of the builtins that start one."""
+        if self.elsewhere:
+            return self.elsewhere
+        for code in self.codes:
+            if any(part in code.co_filename for part in _ELSEWHERE_FILES):
+                return f"{code.co_qualname} of {pathlib.Path(code.co_filename).name} ran"
+        return None
+
+
+# Where work can go that a recording of this thread does not see.
+_ELSEWHERE_FILES = tuple(f"{sep}{name}" for sep in ("/", "\\") for name in (
+    "threading.py", "queue.py", "subprocess.py", "concurrent" , "multiprocessing", "asyncio"))
+_ELSEWHERE_CALLS = {sys.setprofile, getattr(__import__("_thread"), "start_new_thread"),
+                    *(getattr(__import__("os"), name) for name in ("system", "fork", "execv")
+                      if hasattr(__import__("os"), name))}
 
 
 def _profiler_config():
@@ -194,6 +216,9 @@ def recording():
     def enter(frame, event, arg):
         if event == "call":
             recorded.codes.add(frame.f_code)
+        elif (event == "c_call" and arg in _ELSEWHERE_CALLS
+              and frame.f_code.co_filename != __file__):  # not the recording's own call
+            recorded.elsewhere = f"{arg.__module__}.{arg.__name__} was called"
 
     try:
         from torch._C._autograd import _disable_profiler_legacy, _enable_profiler_legacy
@@ -206,9 +231,14 @@ def recording():
         try:
             yield recorded
         finally:
+            recorded.tampered = sys.getprofile() is not enter
             sys.setprofile(previous)
-            for thread in _disable_profiler_legacy():
-                recorded.ops.update(event.name() for event in thread if event.kind() == "push")
+            try:
+                for thread in _disable_profiler_legacy():
+                    recorded.ops.update(event.name() for event in thread
+                                        if event.kind() == "push")
+            except RuntimeError:  # the profiler was switched off inside
+                recorded.tampered = True
         return
     from torch.profiler import ProfilerActivity, profile  # pragma: no cover
     with profile(activities=[ProfilerActivity.CPU]) as prof:  # pragma: no cover
@@ -312,6 +342,13 @@ class Answer:
                 self.op_counts.append(sum(recorded.ops.values()))
                 seen = [(rule.label, what) for rule in self.rules
                         for what in [rule.seen_in(recorded)] if what]
+                if recorded.tampered:
+                    seen.append(("a way to switch off the check's recording",
+                                 "the profiler or sys.setprofile was changed"))
+                elsewhere = recorded.seen_elsewhere()
+                if elsewhere:
+                    seen.append(("another thread or process, where the check cannot see what "
+                                 "runs", elsewhere))
                 if seen:
                     self.forbidden = (
                         f"{self.__name__} uses {' and '.join(label for label, _ in seen)}, "

@@ -22,6 +22,7 @@ catalogue shows refused.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import functools
 import importlib
@@ -29,6 +30,7 @@ import inspect
 import io
 import math
 import re
+import threading
 import types
 import warnings
 from dataclasses import dataclass, field
@@ -99,7 +101,24 @@ with warnings.catch_warnings():  # torch.jit.script is deprecated, and still wor
     _scripted_softmax = torch.jit.script(_softmax_to_script)
 
 
+POOL = concurrent.futures.ThreadPoolExecutor(1)  # made before any check runs
+
+
+def in_a_thread(fn):
+    """fn run in a thread of its own, where this thread's recording does not reach."""
+    def call(*args, **kwargs):
+        out = []
+        worker = threading.Thread(target=lambda: out.append(fn(*args, **kwargs)))
+        worker.start()
+        worker.join()
+        return out[0]
+    return call
+
+
 SOFTMAX_ALIASES = {  # class 1: another name for a softmax, (z, dim) -> weights
+    "torch.softmax in a thread of its own": in_a_thread(lambda z, dim: torch.softmax(z, dim)),
+    "torch.softmax in a thread pool made beforehand": lambda z, dim: POOL.submit(
+        torch.softmax, z, dim).result(),
     "torch.special.softmax": lambda z, dim: torch.special.softmax(z, dim),
     "torch.log_softmax(...).exp()": lambda z, dim: torch.log_softmax(z, dim).exp(),
     "torch.ops.aten._softmax": lambda z, dim: torch.ops.aten._softmax(z, dim, False),
@@ -183,6 +202,9 @@ def softmax_answers(check, sm) -> dict:
 
 
 ATTENTION_ALIASES = {  # (q, k, v, mask, scale) -> output, by PyTorch's attention
+    "scaled_dot_product_attention in a thread of its own": in_a_thread(
+        lambda q, k, v, mask=None, scale=None: F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=scale)),
     "torch._C._nn.scaled_dot_product_attention": lambda q, k, v, mask=None, scale=None:
         torch._C._nn.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale),
     "torch.ops.aten.scaled_dot_product_attention": lambda q, k, v, mask=None, scale=None:
