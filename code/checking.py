@@ -24,12 +24,13 @@ work is reached (another alias, `torch.ops.aten`, a default argument captured at
 closure, an object holding it, TorchScript), the operators that run are the same, and every case
 gives such an answer no points. The recording sees this thread only, so an answer that hands
 work to another thread or process (threading, a queue, a thread pool, subprocess, os.system) or
-switches the recording off (sys.setprofile, the profiler) is refused as well: the check first runs all its cases once to look for forbidden
-work (`Check.forbidden_work`), so an answer that takes a shortcut on some inputs only earns
-nothing either. A dispatch mode (`TorchDispatchMode`) would not do: it sits below the composite
-operators, so PyTorch's attention on its math path (3-D inputs, or `sdpa_kernel(MATH)`) reaches
-it as the `bmm`, `mul` and softmax that an attention exercise allows (tests/test_checking.py
-shows it); the profiler records the composite call itself.
+switches the recording off (sys.setprofile, the profiler) is refused as well. The check first
+runs all its cases once to look for forbidden work (`Check.forbidden_work`), so an answer that
+takes a shortcut on some inputs only earns nothing either. A dispatch mode (`TorchDispatchMode`)
+would not do: it sits below the composite operators, so PyTorch's attention on its math path
+(3-D inputs, or `sdpa_kernel(MATH)`) reaches it as the `bmm`, `mul` and softmax that an
+attention exercise allows (tests/test_checking.py shows it); the profiler records the composite
+call itself.
 
 **A check never crashes.** Whatever the answer raises or returns, the case fails with a message;
 an error in comparing a result of an unexpected kind is a failed case too. The answer's floating

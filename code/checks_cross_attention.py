@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import functools
-import itertools
-import math
 
 import torch
 
-from checking import (Check, Rule, attention_by_loops, attention_rule, module_rules,
-                      softmax_rules, tensor_like)
+from checking import Check, attention_rule, module_rules
 
 # cross_attention(x_dec, x_enc, w_q, w_k, w_v, enc_lengths=None) -> (B, L, d_v)
 

@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import functools
-import itertools
-import math
 
 import torch
 
-from checking import (Check, Rule, attention_by_loops, attention_rule, module_rules,
-                      softmax_rules, tensor_like)
+from checking import Check, softmax_rules
 
 # merge_partials(m1, ell1, y1, m2, ell2, y2) -> (m, ell, y)
 

@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import functools
-import itertools
-import math
 
 import torch
 
-from checking import (Check, Rule, attention_by_loops, attention_rule, module_rules,
-                      softmax_rules, tensor_like)
+from checking import Check, attention_rule, module_rules
 
 # cached_attention(k_cache, v_cache, q, k, v) -> (y, k_cache, v_cache)
 

@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-import functools
-import itertools
-import math
-
 import torch
 
-from checking import (Check, Rule, attention_by_loops, attention_rule, module_rules,
-                      softmax_rules, tensor_like)
+from checking import Check, attention_by_loops, module_rules, softmax_rules
 
 # simple_self_attention(x) -> (output, weights)
 

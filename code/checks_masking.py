@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-import functools
-import itertools
-import math
-
 import torch
 
-from checking import (Check, Rule, attention_by_loops, attention_rule, module_rules,
-                      softmax_rules, tensor_like)
+from checking import Check, module_rules, softmax_rules
 
 # causal_padding_mask(...), masked_softmax(...)
 

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import functools
-import itertools
 import math
 
 import torch
 
-from checking import (Check, Rule, attention_by_loops, attention_rule, module_rules,
-                      softmax_rules, tensor_like)
+from checking import Check, module_rules
 
 # rope_interleaved(x, positions) -> rotated x
 
@@ -148,7 +145,8 @@ def _(fn):
         f"{where}: the rotation is wrong in float32 already (the other cases say how); this "
         "case then checks it in bfloat16 and float16")
     for dtype, tol in ((torch.bfloat16, 4e-2), (torch.float16, 5e-3)):
-        where = f"x ({len(positions)}, 8) {str(dtype).split('.')[1]}, positions {positions.tolist()}"
+        name = str(dtype).split(".")[1]
+        where = f"x ({len(positions)}, 8) {name}, positions {positions.tolist()}"
         half = x.to(dtype)
         got = _rope_call(fn, where, half, positions)
         assert got.dtype == dtype, (

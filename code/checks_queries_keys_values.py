@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-import functools
-import itertools
-import math
-
 import torch
 
-from checking import (Check, Rule, attention_by_loops, attention_rule, module_rules,
-                      softmax_rules, tensor_like)
+from checking import Check, attention_by_loops, attention_rule, module_rules
 
 # self_attention(x, w_q, w_k, w_v) -> (output, weights); additive_scores(...)
 

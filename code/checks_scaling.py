@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import functools
-import itertools
 import math
 
 import torch
 
-from checking import (Check, Rule, attention_by_loops, attention_rule, module_rules,
-                      softmax_rules, tensor_like)
+from checking import Check, Rule
 
 # score_variance(d_k, n, sigma, generator) -> (raw_var, scaled_var)
 

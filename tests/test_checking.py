@@ -678,7 +678,8 @@ add(C2b, 5, "a buffer of 5 keys, as many as the fixed cases have", PART, "random
 
 def _capped(limit):
     def cached_attention(k_cache, v_cache, q, k, v):
-        keys, values = torch.cat([k_cache, k], 1)[:, -limit:], torch.cat([v_cache, v], 1)[:, -limit:]
+        keys = torch.cat([k_cache, k], 1)[:, -limit:]  # the oldest positions dropped
+        values = torch.cat([v_cache, v], 1)[:, -limit:]
         S, n = keys.shape[1] - q.shape[1], q.shape[1]
         sees = torch.ones(n, S + n, dtype=torch.bool).tril(diagonal=S)
         return _by_hand(q, keys, values, sees), keys, values
