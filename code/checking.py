@@ -83,11 +83,14 @@ class NotWritten(Exception):
 
 def _code_objects(obj) -> list[types.CodeType]:
     """The code of a Python function, of every function defined in a class, or of every function
-    of a module (its own, not those it imports)."""
+    and class of a module, written in the file that defines them: not what a class holds from
+    elsewhere (an Enum holds the `__new__` of the enum module, which any Enum created while an
+    answer runs, by a lazy import say, runs too)."""
     if isinstance(obj, types.ModuleType):
-        return [code for value in vars(obj).values()
-                if getattr(value, "__module__", None) == obj.__name__
-                for code in _code_objects(value)]
+        found = [code for value in vars(obj).values()
+                 if getattr(value, "__module__", None) == obj.__name__
+                 for code in _code_objects(value)]
+        return [code for code in found if code.co_filename == getattr(obj, "__file__", None)]
     if isinstance(obj, type):
         codes = []
         for value in vars(obj).values():
@@ -97,7 +100,8 @@ def _code_objects(obj) -> list[types.CodeType]:
                 value = value.fget
             if inspect.isfunction(value):
                 codes.append(value.__code__)
-        return codes
+        module = sys.modules.get(obj.__module__)
+        return [code for code in codes if code.co_filename == getattr(module, "__file__", None)]
     obj = inspect.unwrap(obj)
     return [obj.__code__] if inspect.isfunction(obj) else []
 
