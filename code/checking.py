@@ -14,23 +14,25 @@ points:
     check_stable_softmax.grade("fully masked rows", stable_softmax)
 
 **What the answer runs is what counts.** While a case runs the student's function, the check
-records every ATen operator it dispatches (PyTorch's legacy autograd profiler, which records each
-call the dispatcher makes, composite operators included, in this thread only, and prints nothing)
-and every Python function it enters (`sys.setprofile`). An exercise's `Rule`s name what it rules
-out: families of operators by name (every softmax and log-softmax kernel, every attention
-kernel, ...) and Python functions (the module's own `softmax` where the exercise is to write it),
+records every ATen operator dispatched, composite operators included, in every thread of the
+process (PyTorch's profiler, set to record all threads, its start and stop messages silenced),
+and the Python functions the answer enters, the builtins it calls and the lines of its own code
+it runs (`sys.setprofile`, `sys.settrace`). An exercise's `Rule`s name what it rules out:
+families of operators by name (every softmax and log-softmax kernel, every attention kernel,
+...) and Python functions (the module's own `softmax` where the exercise is to write it),
 recognised by their code, so that a copy pasted into the notebook is recognised too. However the
 work is reached (another alias, `torch.ops.aten`, a default argument captured at definition, a
 closure, an object holding it, TorchScript), the operators that run are the same, and every case
-gives such an answer no points. The recording sees this thread only, so an answer that hands
-work to another thread or process (threading, a queue, a thread pool, subprocess, os.system) or
-switches the recording off (sys.setprofile, the profiler) is refused as well. The check first
-runs all its cases once to look for forbidden work (`Check.forbidden_work`), so an answer that
-takes a shortcut on some inputs only earns nothing either. A dispatch mode (`TorchDispatchMode`)
-would not do: it sits below the composite operators, so PyTorch's attention on its math path
-(3-D inputs, or `sdpa_kernel(MATH)`) reaches it as the `bmm`, `mul` and softmax that an
-attention exercise allows (tests/test_checking.py shows it); the profiler records the composite
-call itself.
+gives such an answer no points. An operator run by another thread while the answer runs, a
+call of the modules that hand work to another thread or process (threading, a queue, a thread
+pool, subprocess, os.system) and an answer that switches the recording off are refused as well.
+The check first runs all its cases once to look for forbidden work (`Check.forbidden_work`), so
+an answer that takes a shortcut on some inputs only earns nothing either. A dispatch mode
+(`TorchDispatchMode`) would not do: it sits below the composite operators, so PyTorch's
+attention on its math path (3-D inputs, or `sdpa_kernel(MATH)`) reaches it as the `bmm`, `mul`
+and softmax that an attention exercise allows (tests/test_checking.py shows it); the profiler
+records the composite call itself. Where a PyTorch cannot record all threads, the legacy
+autograd profiler records this one.
 
 **A check never crashes.** Whatever the answer raises or returns, the case fails with a message;
 an error in comparing a result of an unexpected kind is a failed case too. The answer's floating
@@ -49,6 +51,7 @@ from __future__ import annotations
 
 import contextlib
 import dis
+import os
 import functools
 import importlib
 import inspect
@@ -66,6 +69,14 @@ __all__ = ["Check", "ForbiddenWork", "NotWritten", "Rule", "Recording", "recordi
 
 NOT_WRITTEN = "is not written yet: replace `raise NotImplementedError()` with your code"
 UNCHANGED = "arguments left unchanged"  # the title of the case every check has
+
+
+def _text(err: BaseException) -> str:
+    """str(err), or its type's name where str itself fails."""
+    try:
+        return str(err)
+    except Exception:  # noqa: BLE001
+        return f"{type(err).__name__} (its message cannot be shown)"
 
 
 class ForbiddenWork(AssertionError):
@@ -182,6 +193,8 @@ class Recording:
         self.ops: Counter = Counter()
         self.codes: set[types.CodeType] = set()
         self.tampered = False  # the answer switched the recording off
+        self.lines = 0  # lines run in the answer's own code
+        self.calls = 0  # Python and builtin functions called
         self.elsewhere: str | None = None  # it ran work where the recording cannot see
 
     def seen_elsewhere(self) -> str | None:
@@ -203,56 +216,150 @@ _ELSEWHERE_CALLS = {sys.setprofile, getattr(__import__("_thread"), "start_new_th
                       if hasattr(__import__("os"), name))}
 
 
-def _profiler_config():
-    from torch.autograd import profiler_legacy
-    return profiler_legacy.profile().config()
+_LIBRARY_DIRS = tuple({str(pathlib.Path(p).resolve()) for p in (
+    sys.prefix, sys.base_prefix, sys.exec_prefix)} | {str(pathlib.Path(__file__).parent)})
+
+
+@functools.lru_cache(maxsize=4096)
+def _library(filename: str) -> bool:
+    """Code of Python, of installed packages or of the book's own files, not an answer's."""
+    if filename.startswith("<frozen"):
+        return True
+    try:
+        return str(pathlib.Path(filename).resolve()).startswith(_LIBRARY_DIRS)
+    except (OSError, ValueError):
+        return False
+
+
+@contextlib.contextmanager
+def _silent_stderr():
+    """File descriptor 2 sent to /dev/null: Kineto writes a line there each time it starts and
+    stops ("profiler_start"), which a notebook would show."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError, AttributeError):  # no descriptor 2 to quiet
+        yield
+        return
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
+
+
+MARK = "checking: the answer's thread"  # a record the recording's own thread makes
+
+
+class _AllThreads:
+    """PyTorch's profiler (Kineto) set to record every thread of the process: an operator that
+    another thread runs while the answer runs is the answer's work handed elsewhere."""
+
+    def __init__(self):
+        from torch._C._profiler import _ExperimentalConfig
+        from torch.autograd import ProfilerActivity, ProfilerConfig, ProfilerState
+        self.activities = {ProfilerActivity.CPU}
+        self.config = ProfilerConfig(ProfilerState.KINETO, False, False, False, False, False,
+                                     _ExperimentalConfig(profile_all_threads=True))
+
+    def start(self):
+        from torch.autograd import _enable_profiler, _prepare_profiler
+        with _silent_stderr():
+            _prepare_profiler(self.config, self.activities)
+            _enable_profiler(self.config, self.activities)
+        with torch.autograd.profiler.record_function(MARK):
+            pass
+
+    def stop(self, recorded: "Recording"):
+        from torch.autograd import _disable_profiler
+        with _silent_stderr():
+            events = _disable_profiler().events()
+        mine = {event.start_thread_id() for event in events if event.name() == MARK}
+        for event in events:
+            if event.name() == MARK:
+                continue
+            recorded.ops[event.name()] += 1
+            if event.start_thread_id() not in mine:
+                recorded.elsewhere = f"{event.name()} ran in another thread"
+
+
+class _ThisThread:
+    """The legacy autograd profiler, this thread only: where a PyTorch has no all-threads
+    recording, or it does not work."""
+
+    def __init__(self):
+        from torch.autograd import profiler_legacy
+        self.config = profiler_legacy.profile().config()
+
+    def start(self):
+        torch._C._autograd._enable_profiler_legacy(self.config)
+
+    def stop(self, recorded: "Recording"):
+        for thread in torch._C._autograd._disable_profiler_legacy():
+            recorded.ops.update(event.name() for event in thread if event.kind() == "push")
+
+
+@functools.lru_cache(maxsize=1)
+def _profiler():
+    """The all-threads profiler where this PyTorch has it and it records an operator of this
+    thread as this thread's, else the legacy one."""
+    try:
+        profiler = _AllThreads()
+        profiler.start()
+        torch.zeros(1).exp()
+        probe = Recording()
+        profiler.stop(probe)
+        if probe.ops["aten::exp"] == 1 and probe.elsewhere is None:
+            return profiler
+    except Exception:  # noqa: BLE001 (an older or newer PyTorch: the legacy profiler then)
+        pass
+    return _ThisThread()
 
 
 @contextlib.contextmanager
 def recording():
-    """Record the operators dispatched and the Python functions entered in this thread.
-
-    The legacy autograd profiler is used because the current one (Kineto) writes a line to the
-    process's standard error each time it starts and stops, which a notebook shows; where a
-    later PyTorch has no legacy profiler, Kineto's is used."""
+    """Record the operators dispatched in every thread (and which thread ran each), and the
+    Python functions entered, the builtins called and the lines of the answer's own code run
+    in this one."""
     recorded = Recording()
-    previous = sys.getprofile()
+    previous, previous_trace = sys.getprofile(), sys.gettrace()
 
     def enter(frame, event, arg):
         if event == "call":
             recorded.codes.add(frame.f_code)
-        elif (event == "c_call" and arg in _ELSEWHERE_CALLS
-              and frame.f_code.co_filename != __file__):  # not the recording's own call
-            recorded.elsewhere = f"{arg.__module__}.{arg.__name__} was called"
+            recorded.calls += 1
+        elif event == "c_call":
+            recorded.calls += 1
+            if arg in _ELSEWHERE_CALLS and frame.f_code.co_filename != __file__:
+                recorded.elsewhere = f"{arg.__module__}.{arg.__name__} was called"
 
+    def count_lines(frame, event, arg):
+        if event == "line":
+            recorded.lines += 1
+        return count_lines
+
+    def trace(frame, event, arg):
+        """Lines are counted in the answer's own code only (not in Python's, PyTorch's or the
+        book's files), where a loop written by hand runs."""
+        return None if _library(frame.f_code.co_filename) else count_lines
+
+    profiler = _profiler()
+    profiler.start()
+    sys.setprofile(enter)
+    sys.settrace(trace)
     try:
-        from torch._C._autograd import _disable_profiler_legacy, _enable_profiler_legacy
-        config = _profiler_config()
-    except (ImportError, AttributeError):  # pragma: no cover (a later PyTorch)
-        _enable_profiler_legacy = None
-    if _enable_profiler_legacy is not None:
-        _enable_profiler_legacy(config)
-        sys.setprofile(enter)
+        yield recorded
+    finally:
+        recorded.tampered = sys.getprofile() is not enter or sys.gettrace() is not trace
+        sys.settrace(previous_trace)
+        sys.setprofile(previous)
         try:
-            yield recorded
-        finally:
-            recorded.tampered = sys.getprofile() is not enter
-            sys.setprofile(previous)
-            try:
-                for thread in _disable_profiler_legacy():
-                    recorded.ops.update(event.name() for event in thread
-                                        if event.kind() == "push")
-            except RuntimeError:  # the profiler was switched off inside
-                recorded.tampered = True
-        return
-    from torch.profiler import ProfilerActivity, profile  # pragma: no cover
-    with profile(activities=[ProfilerActivity.CPU]) as prof:  # pragma: no cover
-        sys.setprofile(enter)
-        try:
-            yield recorded
-        finally:
-            sys.setprofile(previous)
-    recorded.ops.update(event.name for event in prof.events())  # pragma: no cover
+            profiler.stop(recorded)
+        except RuntimeError:  # the profiler was switched off inside
+            recorded.tampered = True
 
 
 # ---------------------------------------------------------------------------------------------
@@ -314,7 +421,7 @@ class Answer:
         self.mutated: list[str] = []  # the arguments it modified, described
         self.forbidden: str | None = None
         self.not_written = False
-        self.op_counts: list[int] = []  # operators dispatched by each call
+        self.work: list[int] = []  # operators, calls and own lines run by each call
 
     def _named(self, args, kwargs) -> list[tuple[str, torch.Tensor]]:
         """(name, tensor) for every tensor argument: `scores`, or `caches[0]` in a list."""
@@ -339,12 +446,14 @@ class Answer:
         except NotImplementedError:
             self.not_written = True
             raise NotWritten(f"{self.__name__} {NOT_WRITTEN}") from None
-        except Exception as err:
+        except KeyboardInterrupt:
+            raise
+        except BaseException as err:
             self.raised = err
             raise
         finally:
             if recorded is not None:
-                self.op_counts.append(sum(recorded.ops.values()))
+                self.work.append(sum(recorded.ops.values()) + recorded.calls + recorded.lines)
                 seen = [(rule.label, what) for rule in self.rules
                         for what in [rule.seen_in(recorded)] if what]
                 if recorded.tampered:
@@ -426,14 +535,17 @@ class Check:
         try:
             function(*answers)
         except (NotWritten, ForbiddenWork) as err:
-            message = str(err)
+            message = _text(err)
         except AssertionError as err:
-            message = str(err) or f"an assertion in {answers[0].__name__} failed"
-        except Exception as err:  # noqa: BLE001 (a check never crashes)
+            message = _text(err) or f"an assertion in {answers[0].__name__} failed"
+        except KeyboardInterrupt:  # the reader stopped the kernel
+            raise
+        except BaseException as err:  # noqa: BLE001 (a check never crashes, SystemExit too)
             raised = next((fn for fn in answers if fn.raised is err), None)
-            message = (f"{raised.__name__} raised {type(err).__name__}: {err}" if raised else
-                       f"the check could not compare the result ({type(err).__name__}: {err}); "
-                       "look at the type, shape and dtype of what your function returns")
+            message = (f"{raised.__name__} raised {type(err).__name__}: {_text(err)}" if raised
+                       else f"the check could not compare the result ({type(err).__name__}: "
+                       f"{_text(err)}); look at the type, shape and dtype of what your "
+                       "function returns")
         written = next((fn for fn in answers if fn.not_written), None)
         return f"{written.__name__} {NOT_WRITTEN}" if written else message
 
@@ -443,7 +555,7 @@ class Check:
         key = tuple(answer)
         try:
             return self._looked[key]
-        except (KeyError, TypeError):
+        except Exception:  # noqa: BLE001 (not seen yet, or an answer that cannot be hashed)
             pass
         found = None
         for title, (function, _, keeps) in self.cases.items():
@@ -458,9 +570,11 @@ class Check:
             with contextlib.redirect_stdout(None):
                 try:
                     found = self._inspect(*answers)
-                except Exception:  # noqa: BLE001 (a broken answer is for the cases to name)
+                except KeyboardInterrupt:
+                    raise
+                except BaseException:  # noqa: BLE001 (a broken answer is for the cases to name)
                     found = next((fn.forbidden for fn in answers if fn.forbidden), None)
-        with contextlib.suppress(TypeError):
+        with contextlib.suppress(Exception):
             self._looked[key] = found
         return found
 

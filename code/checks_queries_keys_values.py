@@ -173,17 +173,18 @@ def _(fn):
 
 
 def _additive_loops(fn) -> str | None:
-    """A loop over the queries or keys, seen in the number of operators fn dispatches: the same
-    for every L and S when all pairs are computed at once, growing with L or S in a loop."""
+    """A loop over the queries or keys, seen in the work fn does (the operators it dispatches,
+    the functions it calls, the lines of its own code it runs): the same for every L and S when
+    all pairs are computed at once, growing with L or S in a loop."""
     gen = torch.Generator().manual_seed(13)
     for L, S in ((2, 3), (9, 11)):
         fn(*(torch.randn(*shape, generator=gen)
              for shape in ((L, 3), (S, 4), (3, 5), (4, 5), (5,))))
-    small, large = fn.op_counts[-2:]
+    small, large = fn.work[-2:]
     if large > small + 6:
-        return (f"{fn.__name__} loops over the queries or keys (it ran {small} operators for "
-                f"L=2, S=3 and {large} for L=9, S=11): compute every pair at once by "
-                "broadcasting (L, 1, d_a) against (1, S, d_a)")
+        return (f"{fn.__name__} loops over the queries or keys (it ran {small} operators, calls "
+                f"and lines for L=2, S=3 and {large} for L=9, S=11): compute every pair at once "
+                "by broadcasting (L, 1, d_a) against (1, S, d_a)")
     return None
 
 

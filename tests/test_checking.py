@@ -833,12 +833,40 @@ def test_a_dispatch_mode_would_not_see_attention_on_its_math_path():
 
 
 def test_the_recording_writes_nothing(capfd):
-    """The legacy profiler prints nothing; Kineto's would print a line at each start and stop,
-    which a notebook shows."""
+    """The profiler's start and stop messages (Kineto writes a line to descriptor 2 each time)
+    are silenced: a notebook would show them."""
     with checking.recording():
         torch.ones(3).exp()
     out, err = capfd.readouterr()
     assert out == "" and err == ""
+
+
+def test_the_recording_sees_other_threads():
+    """An operator that a thread started beforehand runs while the answer runs, handed to it
+    through a plain list and a lock, with no call the answer's thread could be seen making."""
+    import _thread
+    import time
+
+    assert isinstance(checking._profiler(), checking._AllThreads)
+    jobs, stop = [], []
+
+    def worker():
+        while not stop:
+            if jobs:
+                fn, done = jobs.pop()
+                fn()
+                done.release()
+            time.sleep(0.0002)
+
+    threading.Thread(target=worker, daemon=True).start()
+    done = _thread.allocate_lock()
+    done.acquire()
+    with checking.recording() as recorded:
+        jobs.append((lambda: torch.softmax(torch.ones(3), 0), done))
+        done.acquire()
+    stop.append(True)
+    assert recorded.elsewhere and "softmax" in recorded.elsewhere, recorded.elsewhere
+    assert any("softmax" in op for op in recorded.ops)
 
 
 def test_the_recording_restores_a_profile_function():
