@@ -132,6 +132,9 @@ def _fingerprint(code: types.CodeType):
                  for ins in dis.get_instructions(code) if ins.opname not in _SKIP)
 
 
+_WATCHED_BUILTINS: set = set()  # the builtins some rule watches for
+
+
 class Rule:
     """One thing an exercise rules out, named `label` in the messages: the ATen operators whose
     names contain one of the strings in `aten` ("softmax" covers softmax, log_softmax,
@@ -140,13 +143,20 @@ class Rule:
     code. `python` takes objects or a callable returning them, imported when the rule is first
     used (the module's helpers import torch.nn)."""
 
-    def __init__(self, label: str, aten: Iterable[str] = (), python=()):
+    def __init__(self, label: str, aten: Iterable[str] = (), python=(),
+                 elsewhere: dict[str, tuple[str, ...]] | None = None,
+                 tensor_methods: Iterable[str] = ()):
         self.label = label
+        self.tensor_methods = set(tensor_methods)
         self.aten = tuple(aten)
         self._python = python
+        # {module: names}: functions of modules a right answer never imports (SciPy, PyTorch's
+        # Python references), taken in when the answer has imported the module
+        self._elsewhere = dict(elsewhere or {})
         self._codes: set | None = None
         self._prints: set | None = None
-        self._names: set = set()
+        self._taken: set = set()  # the modules of `elsewhere` taken in
+        self._builtins: set = set()
 
     def _load(self):
         if self._codes is None:
@@ -155,21 +165,33 @@ class Rule:
             self._codes = set(codes)
             # A pasted copy is recognised by its instructions; short functions (a one-line
             # forward, an __init__ that stores its arguments) could be anyone's.
-            self._prints = {(code.co_names, _fingerprint(code)) for code in codes
-                            if len(code.co_code) >= 40}
-            self._names = {names for names, _ in self._prints}
+            self._prints = {_fingerprint(code) for code in codes if len(code.co_code) >= 40}
+        for module, names in self._elsewhere.items():
+            if module in sys.modules and module not in self._taken:
+                self._taken.add(module)
+                for name in names:
+                    obj = functools.reduce(getattr, name.split("."), sys.modules[module])
+                    if inspect.isfunction(inspect.unwrap(obj)):
+                        self._codes.add(inspect.unwrap(obj).__code__)
+                    else:  # a builtin or a NumPy ufunc: seen when called
+                        self._builtins.add(obj)
+                        _WATCHED_BUILTINS.add(obj)
 
     def seen_in(self, recorded: "Recording") -> str | None:
         """What of this rule the recording shows, or None."""
         for op in sorted(recorded.ops):
             if any(part in op for part in self.aten):
                 return f"the operator {op} ran"
+        for method in sorted(recorded.tensor_methods & self.tensor_methods):
+            return f"Tensor.{method} was called"
         self._load()
+        for builtin in recorded.builtins & self._builtins:
+            return f"{getattr(builtin, '__name__', builtin)} was called"
         for code in recorded.codes:
             if code in self._codes:
                 return f"{code.co_qualname} ran"
-            if (code.co_names in self._names and code.co_filename != __file__
-                    and (code.co_names, _fingerprint(code)) in self._prints):
+            if (self._prints and len(code.co_code) >= 40 and code.co_filename != __file__
+                    and not _library(code.co_filename) and _fingerprint(code) in self._prints):
                 return f"{code.co_qualname} is a copy of the module's code"
         return None
 
@@ -195,25 +217,47 @@ class Recording:
         self.tampered = False  # the answer switched the recording off
         self.lines = 0  # lines run in the answer's own code
         self.calls = 0  # Python and builtin functions called
-        self.elsewhere: str | None = None  # it ran work where the recording cannot see
+        self.builtins: set = set()  # the builtins of _WATCHED_BUILTINS called
+        self.tensor_methods: set[str] = set()  # the builtin Tensor methods called, by name
+        self.elsewhere: tuple[str, str] | None = None  # (what, seen): see seen_elsewhere
 
-    def seen_elsewhere(self) -> str | None:
-        """Work handed to another thread or process, which this thread's recording cannot
-        see: a call of the modules that do that, or of the builtins that start one."""
+    def seen_elsewhere(self) -> tuple[str, str] | None:
+        """(what it is, what was seen) where the answer did work the recording cannot judge:
+        in another thread or process (a call of the modules that hand work there, or of the
+        builtins that start one or talk to one), in compiled code, or by reading the check's
+        own code, frames or objects."""
         if self.elsewhere:
             return self.elsewhere
         for code in self.codes:
-            if any(part in code.co_filename for part in _ELSEWHERE_FILES):
-                return f"{code.co_qualname} of {pathlib.Path(code.co_filename).name} ran"
+            path = pathlib.Path(code.co_filename)
+            if ((path.name.startswith("checks_") or path.name == "checking.py")
+                    and code is not recording.__wrapped__.__code__):
+                return (_THE_CHECK, f"{code.co_qualname} of {path.name} ran")
         return None
 
 
+_ELSEWHERE = "another thread or process, where the check cannot see what runs"
+_COMPILED = "compiled code (torch.compile), which the check cannot see into"
+_THE_CHECK = "the check's own code, frames or objects"
+_COMPILED_FILES = tuple(f"{sep}torch{sep}{name}{sep}" for sep in ("/", "\\")
+                        for name in ("_dynamo", "_inductor"))
 # Where work can go that a recording of this thread does not see.
 _ELSEWHERE_FILES = tuple(f"{sep}{name}" for sep in ("/", "\\") for name in (
-    "threading.py", "queue.py", "subprocess.py", "concurrent" , "multiprocessing", "asyncio"))
-_ELSEWHERE_CALLS = {sys.setprofile, getattr(__import__("_thread"), "start_new_thread"),
-                    *(getattr(__import__("os"), name) for name in ("system", "fork", "execv")
-                      if hasattr(__import__("os"), name))}
+    "threading.py", "queue.py", "subprocess.py", "concurrent", "multiprocessing", "asyncio",
+    "socket.py", "selectors.py"))
+_ELSEWHERE_CALLS = {  # builtins that start another thread or process or talk to one, switch
+    # the recording off, or read the check's own frames and objects
+    sys.setprofile, sys.settrace, sys._getframe, sys._current_frames, __import__("_thread")
+    .start_new_thread, __import__("gc").get_objects, __import__("gc").get_referrers,
+    __import__("gc").get_referents, __import__("io").open, __import__("select").select,
+    *(getattr(os, name) for name in (
+        "system", "fork", "execv", "execve", "popen", "posix_spawn", "pipe", "read", "write",
+        "open", "spawnv", "forkpty") if hasattr(os, name))}
+_FRAME_READERS = {"currentframe", "stack", "trace", "getouterframes", "getinnerframes"}
+_FRAME_CALLS = {sys._getframe, sys._current_frames, __import__("gc").get_objects,
+                __import__("gc").get_referrers, __import__("gc").get_referents}
+_FILE_TYPES = tuple(getattr(__import__("io"), name) for name in (
+    "FileIO", "BufferedReader", "BufferedWriter", "BufferedRandom", "TextIOWrapper"))
 
 
 _LIBRARY_DIRS = tuple({str(pathlib.Path(p).resolve()) for p in (
@@ -283,7 +327,7 @@ class _AllThreads:
                 continue
             recorded.ops[event.name()] += 1
             if event.start_thread_id() not in mine:
-                recorded.elsewhere = f"{event.name()} ran in another thread"
+                recorded.elsewhere = (_ELSEWHERE, f"{event.name()} ran in another thread")
 
 
 class _ThisThread:
@@ -329,12 +373,43 @@ def recording():
 
     def enter(frame, event, arg):
         if event == "call":
-            recorded.codes.add(frame.f_code)
+            code = frame.f_code
+            recorded.codes.add(code)
             recorded.calls += 1
+            caller = frame.f_back
+            if caller is not None and not _library(caller.f_code.co_filename):
+                # what the answer's own code calls: a door to another thread or process, to
+                # compiled code, or to the check's frames
+                if any(part in code.co_filename for part in _COMPILED_FILES):
+                    recorded.elsewhere = (_COMPILED, f"{code.co_qualname} ran")
+                elif any(part in code.co_filename for part in _ELSEWHERE_FILES):
+                    recorded.elsewhere = (_ELSEWHERE, f"{code.co_qualname} of "
+                                          f"{pathlib.Path(code.co_filename).name} ran")
+                elif code.co_name in _FRAME_READERS and code.co_filename == inspect.__file__:
+                    recorded.elsewhere = (_THE_CHECK, f"inspect.{code.co_name} ran")
         elif event == "c_call":
             recorded.calls += 1
-            if arg in _ELSEWHERE_CALLS and frame.f_code.co_filename != __file__:
-                recorded.elsewhere = f"{arg.__module__}.{arg.__name__} was called"
+            try:
+                if arg in _WATCHED_BUILTINS:
+                    recorded.builtins.add(arg)
+            except TypeError:  # a method of an object that cannot be hashed
+                pass
+            owner = getattr(arg, "__self__", None)
+            if isinstance(owner, torch.Tensor):
+                recorded.tensor_methods.add(arg.__name__)
+            if _library(frame.f_code.co_filename):  # Python's, PyTorch's, the book's own calls
+                return
+            try:
+                if arg in _FRAME_CALLS:
+                    recorded.elsewhere = (_THE_CHECK, f"{arg.__name__} was called")
+                elif arg in _ELSEWHERE_CALLS:
+                    recorded.elsewhere = (_ELSEWHERE, f"{arg.__module__}.{arg.__name__} was "
+                                          "called")
+            except TypeError:
+                pass
+            if (isinstance(owner, _FILE_TYPES)
+                    and owner not in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__)):
+                recorded.elsewhere = (_ELSEWHERE, f"{arg.__name__} of a file or pipe was called")
 
     def count_lines(frame, event, arg):
         if event == "line":
@@ -461,8 +536,7 @@ class Answer:
                                  "the profiler or sys.setprofile was changed"))
                 elsewhere = recorded.seen_elsewhere()
                 if elsewhere:
-                    seen.append(("another thread or process, where the check cannot see what "
-                                 "runs", elsewhere))
+                    seen.append(elsewhere)
                 if seen:
                     self.forbidden = (
                         f"{self.__name__} uses {' and '.join(label for label, _ in seen)}, "
@@ -627,12 +701,22 @@ class Check:
 
 
 def softmax_rules(module_softmax: bool = True) -> list[Rule]:
-    """A softmax written by hand: no softmax or log-softmax kernel, no logsumexp (which does the
-    shifting for you), no attention kernel (a softmax in disguise, with identity keys and
-    values), and the module's own softmax."""
+    """A softmax written by hand in torch operations: no softmax or log-softmax kernel (nor
+    SciPy's, nor PyTorch's Python references), no logsumexp (which does the shifting for you),
+    no NumPy, no attention kernel (a softmax in disguise, with identity keys and values), and
+    not the module's own softmax."""
     rules = [Rule("a ready-made softmax (torch.softmax, F.softmax, Tensor.softmax, "
-                  "torch.special.softmax, log_softmax, ...)", aten=("softmax",)),
-             Rule("torch.logsumexp or torch.logaddexp", aten=("logsumexp", "logaddexp")),
+                  "torch.special.softmax, log_softmax, ...)", aten=("softmax",), elsewhere={
+                      "scipy.special": ("softmax", "log_softmax"),
+                      "torch._refs": ("softmax", "log_softmax"),
+                      "torch._refs.special": ("softmax", "log_softmax"),
+                      "torch._decomp.decompositions": ("_softmax", "_log_softmax")}),
+             Rule("torch.logsumexp or torch.logaddexp",
+                  aten=("logsumexp", "logaddexp", "logcumsumexp"), elsewhere={
+                      "scipy.special": ("logsumexp",),
+                      "torch._refs": ("logsumexp", "logaddexp")}),
+             Rule("NumPy in place of torch operations", tensor_methods=("numpy", "__array__"),
+                  python=lambda: [torch.Tensor.__array__, torch.Tensor.numpy]),
              attention_rule()]
     if module_softmax:
         rules += module_rules("softmax")
