@@ -30,6 +30,7 @@ import inspect
 import io
 import math
 import re
+import sys
 import threading
 import types
 import warnings
@@ -130,7 +131,29 @@ SOFTMAX_ALIASES = {  # class 1: another name for a softmax, (z, dim) -> weights
     "torch.jit.script of torch.softmax": lambda z, dim: _scripted_softmax(z, dim),
     "torch.distributions.Categorical": lambda z, dim: torch.distributions.Categorical(
         logits=z.movedim(dim, -1)).probs.movedim(-1, dim),
+    "torch._refs.softmax, PyTorch's Python reference": lambda z, dim: _refs_softmax(z, dim),
+    "torch._decomp's decomposition of _softmax": lambda z, dim: _decomposed_softmax(z, dim),
+    "exp(z - torch.logcumsumexp(z)[last])": lambda z, dim: torch.exp(
+        z - torch.logcumsumexp(z, dim).narrow(dim, z.shape[dim] - 1, 1)),
+    "a softmax written in NumPy on Tensor.numpy()": lambda z, dim: _numpy_softmax(z, dim),
 }
+
+
+def _refs_softmax(z, dim):
+    import torch._refs
+    return torch._refs.softmax(z, dim)
+
+
+def _decomposed_softmax(z, dim):
+    from torch._decomp import decompositions
+    return decompositions._softmax(z, dim, False)
+
+
+def _numpy_softmax(z, dim):
+    import numpy
+    a = z.detach().numpy()
+    e = numpy.exp(a - a.max(axis=dim, keepdims=True))
+    return torch.from_numpy(e / e.sum(axis=dim, keepdims=True))
 
 
 def captured(target: Callable, label: str) -> dict[str, Callable]:
@@ -412,6 +435,13 @@ def _own_padding(lengths, L):
 
 add(C5, 1, "a pasted copy of the module's causal_mask", NOTHING, "a copy of the module's code",
     causal_padding_mask=_mask_by(_pasted_causal, _own_padding))
+_pasted_renamed = _pasted(attention.causal_mask)
+_pasted_renamed.__name__ = "my_causal"  # and names the copy does not use
+add(C5, 1, "a pasted copy of causal_mask, renamed", NOTHING, "a copy of the module's code",
+    causal_padding_mask=_mask_by(_pasted_renamed, _own_padding))
+add(C5, 1, "the check's own helper that builds the expected mask", NOTHING, "the check's own",
+    causal_padding_mask=lambda lengths, L: importlib.import_module("checks_masking")._entrywise(
+        lengths.tolist(), L, importlib.import_module("checks_masking")._may_attend))
 add(C5, 1, "the module's padding_mask through importlib", NOTHING, FORBIDDEN,
     calls=("padding_mask",), causal_padding_mask=_mask_by(
         _own_causal, lambda lengths, L: importlib.import_module("attention").padding_mask(
@@ -579,6 +609,15 @@ def emptied(fn, how):
     return answer
 
 
+def peeking(fn):
+    """fn, after a look at the frame that called it (where the check keeps what it expects)."""
+    @functools.wraps(fn)
+    def answer(*args, **kwargs):
+        sys._getframe(1)
+        return fn(*args, **kwargs)
+    return answer
+
+
 DTYPE_REQUIRED = {C4, C5b, C8}  # the exercise asks for the input's dtype back
 
 for _check in CHECK_NAMES:
@@ -599,6 +638,8 @@ for _check in CHECK_NAMES:
     for _how in ("zeros", "ones", "input"):
         add(_check, 6, f"returns {_how} of the right shapes", FIFTH,
             **{name: emptied(fn, _how) for name, fn in _reference.items()})
+    add(_check, 1, "right, after a look at the check's frame", NOTHING, "frames",
+        **{name: peeking(fn) for name, fn in _reference.items()})
 
 
 def _variance_in_float64(d_k, n, sigma, generator):
