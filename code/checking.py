@@ -57,6 +57,7 @@ import importlib
 import inspect
 import math
 import pathlib
+import secrets
 import sys
 import types
 from collections import Counter
@@ -191,7 +192,9 @@ class Rule:
             if code in self._codes:
                 return f"{code.co_qualname} ran"
             if (self._prints and len(code.co_code) >= 40 and code.co_filename != __file__
-                    and not _library(code.co_filename) and _fingerprint(code) in self._prints):
+                    and (not _library(code.co_filename)
+                         or pathlib.Path(code.co_filename).parent == HERE)
+                    and _fingerprint(code) in self._prints):
                 return f"{code.co_qualname} is a copy of the module's code"
         return None
 
@@ -216,6 +219,9 @@ class Recording:
         self.codes: set[types.CodeType] = set()
         self.tampered = False  # the answer switched the recording off
         self.lines = 0  # lines run in the answer's own code
+        self.line_hits: Counter = Counter()  # (code, line) -> times run, in the answer's code
+        self.traced_calls = 0  # Python calls the trace function saw (`calls` counts builtins too)
+        self.python_calls = 0  # Python calls the profile function saw
         self.calls = 0  # Python and builtin functions called
         self.builtins: set = set()  # the builtins of _WATCHED_BUILTINS called
         self.tensor_methods: set[str] = set()  # the builtin Tensor methods called, by name
@@ -295,7 +301,8 @@ def _silent_stderr():
         os.close(null)
 
 
-MARK = "checking: the answer's thread"  # a record the recording's own thread makes
+MARK = "checking: the answer's thread"  # a record the recording's own thread makes, with a
+# token drawn anew each time, so that a profiler started again inside the answer lacks it
 
 
 class _AllThreads:
@@ -314,16 +321,19 @@ class _AllThreads:
         with _silent_stderr():
             _prepare_profiler(self.config, self.activities)
             _enable_profiler(self.config, self.activities)
-        with torch.autograd.profiler.record_function(MARK):
+        self.mark = f"{MARK} {secrets.token_hex(8)}"
+        with torch.autograd.profiler.record_function(self.mark):
             pass
 
     def stop(self, recorded: "Recording"):
         from torch.autograd import _disable_profiler
         with _silent_stderr():
             events = _disable_profiler().events()
-        mine = {event.start_thread_id() for event in events if event.name() == MARK}
+        mine = {event.start_thread_id() for event in events if event.name() == self.mark}
+        if not mine:  # the profiler was stopped and started again inside the answer
+            raise RuntimeError("the recording's start is missing")
         for event in events:
-            if event.name() == MARK:
+            if event.name().startswith(MARK):
                 continue
             recorded.ops[event.name()] += 1
             if event.start_thread_id() not in mine:
@@ -376,6 +386,7 @@ def recording():
             code = frame.f_code
             recorded.codes.add(code)
             recorded.calls += 1
+            recorded.python_calls += 1
             caller = frame.f_back
             if caller is not None and not _library(caller.f_code.co_filename):
                 # what the answer's own code calls: a door to another thread or process, to
@@ -397,6 +408,8 @@ def recording():
             owner = getattr(arg, "__self__", None)
             if isinstance(owner, torch.Tensor):
                 recorded.tensor_methods.add(arg.__name__)
+            elif owner is torch.default_generator:
+                recorded.tensor_methods.add(f"default_generator.{arg.__name__}")
             if _library(frame.f_code.co_filename):  # Python's, PyTorch's, the book's own calls
                 return
             try:
@@ -414,11 +427,14 @@ def recording():
     def count_lines(frame, event, arg):
         if event == "line":
             recorded.lines += 1
+            recorded.line_hits[frame.f_code, frame.f_lineno] += 1
         return count_lines
 
     def trace(frame, event, arg):
         """Lines are counted in the answer's own code only (not in Python's, PyTorch's or the
-        book's files), where a loop written by hand runs."""
+        book's files), where a loop written by hand runs. Calls are counted everywhere: as
+        many as the profile function sees, unless the answer switched one of them off."""
+        recorded.traced_calls += 1
         return None if _library(frame.f_code.co_filename) else count_lines
 
     profiler = _profiler()
@@ -428,7 +444,8 @@ def recording():
     try:
         yield recorded
     finally:
-        recorded.tampered = sys.getprofile() is not enter or sys.gettrace() is not trace
+        recorded.tampered = (sys.getprofile() is not enter or sys.gettrace() is not trace
+                             or abs(recorded.python_calls - recorded.traced_calls) > 2)
         sys.settrace(previous_trace)
         sys.setprofile(previous)
         try:
@@ -484,6 +501,45 @@ def _to_dtype(obj, dtype):
     return obj
 
 
+class _Namespaces:
+    """What an answer could replace to fool a check: the functions of the checks' files and of
+    PyTorch's namespaces the checks compare with. Taken when made; `restore` puts back what
+    changed and names it."""
+
+    def __init__(self):
+        self.owners = [sys.modules[name] for name in list(sys.modules)
+                       if name == "checking" or name.startswith("checks_")]
+        self.owners += [value for module in list(self.owners) for value in vars(module).values()
+                        if isinstance(value, type) and value.__module__ == module.__name__]
+        self.saved = [(owner, dict(vars(owner))) for owner in self.owners]
+        self.saved += [(owner, {name: vars(owner)[name] for name in names if name in vars(owner)})
+                       for owner, names in _COMPARED.items()]
+
+    def restore(self) -> str | None:
+        changed = None
+        for owner, saved in self.saved:
+            now = vars(owner)
+            for name, value in saved.items():
+                if now.get(name, _MISSING) is not value:
+                    changed = changed or f"{getattr(owner, '__name__', owner)}.{name}"
+                    setattr(owner, name, value)
+        return changed
+
+
+_MISSING = object()
+# What the cases compare with (not all of PyTorch's namespace: a lazy import rebinds some names)
+_COMPARED = {
+    torch: ("allclose", "equal", "isclose", "isfinite", "isnan", "isinf", "where", "zeros_like",
+            "ones_like", "softmax", "tensor", "stack", "cat", "exp", "maximum"),
+    torch.testing: ("assert_close",),
+    torch.Tensor: ("allclose", "equal", "isclose", "isfinite", "isnan", "__eq__", "__ne__",
+                   "__lt__", "__le__", "__gt__", "__ge__", "__bool__", "all", "any", "item",
+                   "tolist", "double", "float", "to", "abs", "max", "min", "sum", "shape",
+                   "dtype", "__float__", "__sub__", "__len__", "nan_to_num"),
+    math: ("isfinite", "isclose"),
+}
+
+
 class Answer:
     """A student's function as a case sees it: each call is recorded and judged against the
     check's rules (ForbiddenWork), its arguments are compared after the call, and its floating
@@ -497,6 +553,7 @@ class Answer:
         self.forbidden: str | None = None
         self.not_written = False
         self.work: list[int] = []  # operators, calls and own lines run by each call
+        self.line_hits: list[int] = []  # the most times one line of its own ran, by call
 
     def _named(self, args, kwargs) -> list[tuple[str, torch.Tensor]]:
         """(name, tensor) for every tensor argument: `scores`, or `caches[0]` in a list."""
@@ -512,6 +569,7 @@ class Answer:
         # tensors (from which the case may still compute what it expects); the copies keep the
         # autograd graph, so a gradient still reaches the case's leaves.
         args, kwargs = _cloned(args), _cloned(kwargs)
+        intact = _Namespaces()
         given = self._named(args, kwargs)
         before = [t.detach().clone() for _, t in given]
         recorded = None
@@ -529,6 +587,7 @@ class Answer:
         finally:
             if recorded is not None:
                 self.work.append(sum(recorded.ops.values()) + recorded.calls + recorded.lines)
+                self.line_hits.append(max(recorded.line_hits.values(), default=0))
                 seen = [(rule.label, what) for rule in self.rules
                         for what in [rule.seen_in(recorded)] if what]
                 if recorded.tampered:
@@ -537,6 +596,10 @@ class Answer:
                 elsewhere = recorded.seen_elsewhere()
                 if elsewhere:
                     seen.append(elsewhere)
+                changed = intact.restore()
+                if changed:
+                    seen.append(("a change to the check's code or PyTorch's functions",
+                                 f"{changed} was replaced, and is put back"))
                 if seen:
                     self.forbidden = (
                         f"{self.__name__} uses {' and '.join(label for label, _ in seen)}, "

@@ -181,6 +181,11 @@ def _additive_loops(fn) -> str | None:
         fn(*(torch.randn(*shape, generator=gen)
              for shape in ((L, 3), (S, 4), (3, 5), (4, 5), (5,))))
     small, large = fn.work[-2:]
+    hits_small, hits_large = fn.line_hits[-2:]
+    if hits_large > hits_small + 2 or hits_small > 12:  # a line run once per query or key
+        return (f"{fn.__name__} loops over the queries or keys (a line of it ran {hits_small} "
+                f"times for L=2, S=3 and {hits_large} for L=9, S=11): compute every pair at once "
+                "by broadcasting (L, 1, d_a) against (1, S, d_a)")
     if large > small + 6:
         return (f"{fn.__name__} loops over the queries or keys (it ran {small} operators, calls "
                 f"and lines for L=2, S=3 and {large} for L=9, S=11): compute every pair at once "

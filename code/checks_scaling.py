@@ -62,7 +62,9 @@ def _not_measured(fn) -> str | None:
 check_score_variance = Check(
     "check_score_variance",
     rules=[Rule("torch.manual_seed", python=lambda: [
-        torch.random.manual_seed, torch.random.seed, torch.random.set_rng_state])],
+        torch.random.manual_seed, torch.random.seed, torch.random.set_rng_state],
+        tensor_methods=("default_generator.manual_seed", "default_generator.seed",
+                        "default_generator.set_state"))],
     inspect=lambda fn: _reseeds(fn) or _not_measured(fn))
 
 _VARIANCE_CASES = ((64, 2.0), (8, 0.5), (1, 1.0))  # (d_k, sigma)
@@ -160,7 +162,7 @@ def _(fn):
             f"d_k * sigma^4 = {want:.4g}. {hint}")
 
 
-@check_score_variance.case("Var[q.k / sqrt(d_k)] = sigma^4")
+@check_score_variance.case("Var[q.k / sqrt(d_k)] = sigma^4", 2)
 def _(fn):
     for d_k, sigma in _VARIANCE_CASES:
         raw_var, scaled_var = _variances(fn, d_k, sigma)

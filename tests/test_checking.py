@@ -369,6 +369,10 @@ add(C2b, 1, "map over the pairs", NOTHING, "loops over",
 add(C2b, 2, "a loop in a helper captured as a default argument", NOTHING, "loops over",
     additive_scores=lambda query, key, w_1, w_2, w_out, _s=_score: torch.stack(
         [torch.stack([_s(q, k, w_1, w_2, w_out) for k in key]) for q in query]))
+add(C2b, 1, "a loop with a fixed trip count of 16, past any L of the check", NOTHING,
+    "loops over", additive_scores=lambda query, key, w_1, w_2, w_out: torch.stack(
+        [torch.tanh((query @ w_1)[min(i, len(query) - 1)] + key @ w_2) @ w_out
+         for i in range(16)])[:len(query)])
 add(C2b, 2, "a loop in a helper held by another object", NOTHING, "loops over",
     additive_scores=lambda query, key, w_1, w_2, w_out, _h=types.SimpleNamespace(s=_score):
         torch.stack([torch.stack([_h.s(q, k, w_1, w_2, w_out) for k in key]) for q in query]))
@@ -385,7 +389,7 @@ def _global_draw(n, d_k):
     return torch.randn(n, d_k)
 
 
-add(C3, 1, "torch.default_generator.manual_seed, the C method", NOTHING, "reseeds",
+add(C3, 1, "torch.default_generator.manual_seed, the C method", NOTHING, "torch.manual_seed",
     score_variance=lambda d_k, n, sigma, generator: (
         torch.default_generator.manual_seed(generator.initial_seed()),
         _measured(d_k, n, sigma, _global_draw))[1])
