@@ -170,6 +170,9 @@ class Rule:
         for module, names in self._elsewhere.items():
             if module in sys.modules and module not in self._taken:
                 self._taken.add(module)
+                if names == ("*",):  # every function and class of the module
+                    self._codes.update(_code_objects(sys.modules[module]))
+                    continue
                 for name in names:
                     obj = functools.reduce(getattr, name.split("."), sys.modules[module])
                     if inspect.isfunction(inspect.unwrap(obj)):
@@ -792,16 +795,15 @@ def attention_rule() -> Rule:
     def objects():
         import torch.nn.attention as attention_package
         from torch import nn
-        objs = [nn.functional.multi_head_attention_forward, nn.MultiheadAttention,
+        return [nn.functional.multi_head_attention_forward, nn.MultiheadAttention,
                 nn.TransformerEncoderLayer, nn.TransformerDecoderLayer, attention_package]
-        with contextlib.suppress(ImportError):
-            from torch.nn.attention import bias, flex_attention
-            objs += [bias, bias.CausalBias, flex_attention]
-        return objs
+    # torch.nn.attention.bias (causal_lower_right) imports TorchDynamo, a second: taken in
+    # only when an answer has imported it
     return Rule("PyTorch's attention (scaled_dot_product_attention, MultiheadAttention, ...)",
                 aten=("scaled_dot_product", "multi_head_attention", "_transformer_encoder",
                       "flash_attention", "efficient_attention", "_fused_sdp"),
-                python=objects)
+                python=objects, elsewhere={"torch.nn.attention.bias": ("*",),
+                                           "torch.nn.attention.flex_attention": ("*",)})
 
 
 def module_rules(*names: str, module: str = "attention") -> list[Rule]:

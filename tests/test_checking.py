@@ -527,8 +527,8 @@ add(C9, 1, "the module's MultiHeadAttention with identity projections", NOTHING,
     **attention_answers(C9, _through_module_mha))
 add(C9, 1, "causal_lower_right's materialised mask", NOTHING, FORBIDDEN,
     **attention_answers(C9, lambda q, k, v, mask=None, scale=None: _by_hand(
-        q, k, v, torch.nn.attention.bias.causal_lower_right(q.shape[1], k.shape[1])
-        ._materialize())))
+        q, k, v, importlib.import_module("torch.nn.attention.bias").causal_lower_right(
+            q.shape[1], k.shape[1])._materialize())))
 
 
 def _by_hand(q, k, v, mask):
