@@ -123,6 +123,7 @@ _JUMP = set(dis.hasjrel) | set(dis.hasjabs)
 _SKIP = {"CACHE", "PRECALL", "NOP", "RESUME", "EXTENDED_ARG"}
 
 
+@functools.lru_cache(maxsize=8192)
 def _fingerprint(code: types.CodeType):
     """What a copy of a function pasted elsewhere keeps: its instructions with the names,
     constants and locals they use (by their index), leaving out jump offsets and the
@@ -195,8 +196,7 @@ class Rule:
             if code in self._codes:
                 return f"{code.co_qualname} ran"
             if (self._prints and len(code.co_code) >= 40 and code.co_filename != __file__
-                    and (not _library(code.co_filename)
-                         or pathlib.Path(code.co_filename).parent == HERE)
+                    and (not _library(code.co_filename) or _in_here(code.co_filename))
                     and _fingerprint(code) in self._prints):
                 return f"{code.co_qualname} is a copy of the module's code"
         return None
@@ -271,6 +271,12 @@ _FILE_TYPES = tuple(getattr(__import__("io"), name) for name in (
 
 _LIBRARY_DIRS = tuple({str(pathlib.Path(p).resolve()) for p in (
     sys.prefix, sys.base_prefix, sys.exec_prefix)} | {str(pathlib.Path(__file__).parent)})
+
+
+@functools.lru_cache(maxsize=4096)
+def _in_here(filename: str) -> bool:
+    """A file of the book's code (where a copy made from the module's code object says it is)."""
+    return pathlib.Path(filename).resolve().parent == HERE
 
 
 @functools.lru_cache(maxsize=4096)
@@ -449,8 +455,12 @@ def recording():
     finally:
         recorded.tampered = (sys.getprofile() is not enter or sys.gettrace() is not trace
                              or abs(recorded.python_calls - recorded.traced_calls) > 2)
-        sys.settrace(previous_trace)
-        sys.setprofile(previous)
+        try:
+            sys.settrace(previous_trace)
+            sys.setprofile(previous)
+        except TypeError:  # a profiler written in C (cProfile) cannot be set back from Python
+            sys.settrace(None)
+            sys.setprofile(None)
         try:
             profiler.stop(recorded)
         except RuntimeError:  # the profiler was switched off inside

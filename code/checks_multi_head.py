@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import torch
@@ -31,13 +32,20 @@ _HEAD_SHAPES = ((2, 3, 8, 2), (1, 5, 12, 3), (3, 4, 6, 1), (2, 1, 8, 4))  # (B, 
 def _heads_inputs(shapes=_HEAD_SHAPES):
     """(where, x (B, L, D) with all entries different, H, heads (B, H, L, hd)): heads[b, h, t]
     holds features h*hd to (h+1)*hd - 1 of x[b, t], copied one entry at a time."""
-    for B, L, D, H in shapes:
-        hd = D // H
-        x = torch.arange(B * L * D, dtype=torch.float32).reshape(B, L, D)
-        heads = torch.zeros(B, H, L, hd)
-        for b, h, t, e in itertools.product(range(B), range(H), range(L), range(hd)):
-            heads[b, h, t, e] = x[b, t, h * hd + e]  # entry by entry
-        yield f"B={B}, L={L}, D={D}, H={H}", x, H, heads
+    for shape in shapes:
+        yield _heads_of(*shape)
+
+
+@functools.lru_cache(maxsize=None)
+def _heads_of(B, L, D, H):
+    """One input of _heads_inputs, built once: the loop is slow, and the answer only ever gets
+    copies of x (checking.Answer)."""
+    hd = D // H
+    x = torch.arange(B * L * D, dtype=torch.float32).reshape(B, L, D)
+    heads = torch.zeros(B, H, L, hd)
+    for b, h, t, e in itertools.product(range(B), range(H), range(L), range(hd)):
+        heads[b, h, t, e] = x[b, t, h * hd + e]  # entry by entry
+    return f"B={B}, L={L}, D={D}, H={H}", x, H, heads
 
 
 def _heads_call(where, fn, *args):
