@@ -636,11 +636,15 @@ class Check:
     `rules`: what the exercise rules out (Rule). `unchanged`: the title of the case whose inputs
     the case "arguments left unchanged" reruns, requiring its values right and every tensor
     argument unchanged. `inspect(*answers)`: forbidden work that no rule names (a loop, say),
-    found by running the Answer objects; returns the message, or None."""
+    found by running the Answer objects; returns the message, or None. `prepare()`: run once
+    before the first answer."""
 
     def __init__(self, name: str, rules: Iterable[Rule] = (), unchanged: str | tuple = (),
-                 inspect: Callable | None = None):
+                 inspect: Callable | None = None, prepare: Callable | None = None):
         self.__name__ = name
+        # run once, before the first answer: the first call of some PyTorch functions imports
+        # modules, which under the recording (every Python call seen) takes three times as long
+        self._prepare = prepare
         self.module = sys._getframe(1).f_globals.get("__name__")  # where it is defined
         self.rules = tuple(rules)
         self._inspect = inspect
@@ -676,6 +680,9 @@ class Check:
         return sum(points for _, points, _ in self.cases.values())
 
     def _answers(self, answer, keep_dtype=False):
+        if self._prepare is not None:
+            prepare, self._prepare = self._prepare, None
+            prepare()
         return tuple(Answer(fn, self.rules, keep_dtype) for fn in answer)
 
     def _attempt(self, title: str, answers) -> str | None:

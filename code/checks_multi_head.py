@@ -153,7 +153,10 @@ def _(split_heads, merge_heads):
 
 check_grouped_query_attention = Check(
     "check_grouped_query_attention", rules=[attention_rule(), *module_rules("repeat_kv")],
-    unchanged="multi-query attention: G = 1")
+    unchanged="multi-query attention: G = 1",
+    # the module's attention, which the answer calls, checks shapes with torch.broadcast_shapes,
+    # whose first call imports SymPy
+    prepare=lambda: torch.broadcast_shapes((1,), (1,)))
 
 _GQA_HEADS = {"grouped": ((4, 2), (6, 3), (8, 2)), "multi-query": ((4, 1),),
               "multi-head": ((4, 4),), "random": ((6, 2), (5, 5), (3, 1))}  # (H, G)
