@@ -66,7 +66,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 __all__ = ["Check", "ForbiddenWork", "NotWritten", "Rule", "Recording", "recording",
-           "all_checks", "find_check", "check_module", "module_rules"]
+           "all_checks", "find_check", "module_rules"]
 
 NOT_WRITTEN = "is not written yet: replace `raise NotImplementedError()` with your code"
 UNCHANGED = "arguments left unchanged"  # the title of the case every check has
@@ -199,14 +199,6 @@ class Rule:
                     and (not _library(code.co_filename) or _in_here(code.co_filename))
                     and _fingerprint(code) in self._prints):
                 return f"{code.co_qualname} is a copy of the module's code"
-        return None
-
-
-def aten_operator(name: str):
-    """`torch.ops.aten.<name>`, or None where this version of PyTorch has no such operator."""
-    try:
-        return getattr(torch.ops.aten, name)
-    except (AttributeError, RuntimeError):
         return None
 
 
@@ -867,11 +859,6 @@ def attention_by_loops(x, w_q, w_k, w_v, scale=None, keys_first=False):
 
 
 HERE = pathlib.Path(__file__).resolve().parent
-
-
-def check_module(chapter: str) -> str:
-    """The module of a chapter's checks: "05-masking" -> "checks_masking"."""
-    return "checks_" + chapter.split("-", 1)[1].replace("-", "_")
 
 
 def all_checks() -> dict[str, Check]:
