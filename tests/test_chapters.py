@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import pathlib
 import re
 
@@ -85,6 +86,32 @@ class TestChapter:
                    for cell in source.cells), (
             "no solution with code: at least one coding exercise must check itself")
 
+    def test_every_figure_checks_what_its_caption_and_alt_text_say(self, path):
+        """Alt text and captions are prose: what they state about the data is asserted by the
+        cell that draws the figure, and a decimal number in them is an input of that cell
+        (typed in its code), never a typed result that another machine could print otherwise."""
+        problems = []
+        for cell, name, text in figure_cells(path):
+            tree = ast.parse(cell.source)
+            asserts = [node for node in ast.walk(tree) if isinstance(node, ast.Assert)
+                       or isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(
+                           node.func, "id", "")).startswith("assert_")]
+            if not asserts:
+                problems.append(f"{name}: the cell asserts nothing of what its description says")
+            typed = [number for number in DECIMAL.findall(text) if number not in cell.source]
+            if typed:
+                problems.append(f"{name}: {typed} in its caption or alt text are not in its code")
+        assert not problems, "\n".join(problems)
+
+    def test_sentences_about_speed_come_from_the_run_or_a_source(self, path):
+        """A sentence that compares or states running times is glued from the run it describes,
+        cites the source that measured it, or tells readers what to look for in their own run:
+        timings differ from machine to machine."""
+        unsupported = [sentence for sentence in prose_sentences(path)
+                       if timing_claim(sentence) and not SUPPORTED_TIMING.search(sentence)]
+        assert not unsupported, "timing sentences with nothing behind them:\n" + "\n".join(
+            unsupported)
+
     def test_timing_cells_are_tagged_wall_clock(self, path):
         # A cell that measures running time gives different numbers on every build; the tag
         # tells the determinism test (tests/test_book.py) that this page may change.
@@ -162,3 +189,47 @@ def test_a_warning_names_the_source_line(tmp_path):
     loaded = tmp_path / "out" / "html" / ".doctrees" / "setup-cells" / "01-lines.py"  # loaded
     assert loaded.read_text() == chapter_structure.setup_source(
         chapter_structure.code_files("\n".join(lines)))
+
+
+# --- figures and timing sentences ----------------------------------------------------------------
+
+DECIMAL = re.compile(r"(?<![\w.])\d*\.\d+")
+# Words that make a sentence a claim about running time; "grows faster than d_k" is not one.
+TIMING = re.compile(r"(?<!grow )(?<!grows )(?<!decay )(?<!decays )(?<!fall )(?<!falls )"
+                    r"\b(faster|slower|fastest|slowest|speed-?ups?|slowdown|quicker|"
+                    r"milliseconds?|microseconds?|wall-clock time)\b|\d\s*(ms|µs)\b", re.I)
+SUPPORTED_TIMING = re.compile(r"\{glue|\{cite|\byour\b|\blook for\b", re.I)
+
+
+def timing_claim(sentence: str) -> bool:
+    return bool(TIMING.search(sentence))
+
+
+def figure_cells(path: pathlib.Path):
+    """(cell, name, caption and alt text) of every figure of a chapter: a code cell with
+    myst-nb figure metadata, or one that shows an explorable figure (whose alt text is
+    explorable()'s argument, computed in the cell)."""
+    import jupytext
+
+    for cell in jupytext.read(path).cells:
+        if cell.cell_type != "code":
+            continue
+        meta = cell.metadata.get("mystnb", {})
+        figure = meta.get("figure")
+        if figure or re.search(r"^explorable\(", cell.source, re.M):
+            name = (figure or {}).get("name") or "explorable figure"
+            text = (figure or {}).get("caption", "") + " " + meta.get("image", {}).get("alt", "")
+            yield cell, name, text
+
+
+def prose_sentences(path: pathlib.Path) -> list[str]:
+    """The sentences of a chapter's markdown, without code blocks and display math."""
+    import jupytext
+
+    sentences = []
+    for cell in jupytext.read(path).cells:
+        if cell.cell_type != "markdown":
+            continue
+        text = re.sub(r"```.*?```|\$\$.*?\$\$", " ", cell.source, flags=re.S)
+        sentences += [" ".join(s.split()) for s in re.split(r"(?<=[.!?])\s+(?=[A-Z{(])", text)]
+    return sentences
