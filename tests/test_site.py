@@ -171,9 +171,10 @@ MATH_OVERFLOW_JS = """async () => {
   await new Promise(resolve => requestAnimationFrame(() => requestAnimationFrame(resolve)));
   const found = [];
   for (const box of document.querySelectorAll('div.math')) {
-    const math = box.querySelector('mjx-container mjx-math');
+    const container = box.querySelector('mjx-container'), math = box.querySelector('mjx-container mjx-math');
     if (!math) continue;
-    const wide = math.getBoundingClientRect().width, room = box.clientWidth;
+    // The room is the equation's own box, beside its number, not the whole div.math.
+    const wide = math.getBoundingClientRect().width, room = Math.min(box.clientWidth, container.clientWidth);
     if (wide <= room + 1) continue;
     let scroller = null;
     for (let el = math.parentElement; el && el !== document.body; el = el.parentElement) {
@@ -185,6 +186,41 @@ MATH_OVERFLOW_JS = """async () => {
                 text: box.textContent.replace(/\\s+/g, ' ').trim().slice(0, 70)});
   }
   return found;
+}"""
+
+# The page's chrome (header, sidebars, the article's button bar): every search control a reader
+# can see, and every visible control of the chrome that something else covers. A control
+# scrolled out of view inside its sidebar is not covered; one under a header is.
+CHROME_JS = """async () => {
+  await new Promise(resolve => requestAnimationFrame(() => requestAnimationFrame(resolve)));
+  // A resize slides the sidebars in or out: wait until they have arrived.
+  await Promise.all(document.getAnimations().map(animation => animation.finished.catch(() => null)));
+  const shown = el => { const r = el.getBoundingClientRect(), s = getComputedStyle(el);
+    return r.width > 0 && r.height > 0 && s.visibility !== 'hidden' && !el.closest('dialog:not([open])'); };
+  const name = el => `${el.tagName.toLowerCase()}.${String(el.className).split(' ')[0]}` +
+    ` "${(el.getAttribute('aria-label') || el.textContent || el.placeholder || '').replace(/\\s+/g, ' ').trim().slice(0, 30)}"`;
+  const chrome = '.bd-header, .bd-sidebar-primary, .bd-header-article, .bd-sidebar-secondary';
+  // (search.html's own field is the page's content, not chrome)
+  const searches = [...document.querySelectorAll(
+    `:is(${chrome}) :is(input[type="search"], .search-button__button, button.search-button)`)]
+    .filter(shown).map(name);
+  const covered = [];
+  for (const el of document.querySelectorAll(`:is(${chrome}) :is(a, button, input)`)) {
+    if (!shown(el)) continue;
+    const r = el.getBoundingClientRect(), x = r.left + r.width / 2, y = r.top + r.height / 2;
+    if (x < 0 || y < 0 || x >= innerWidth || y >= innerHeight) continue;
+    let inView = true;  // not scrolled out of a sidebar that clips it
+    for (let box = el.parentElement; box && box !== document.body; box = box.parentElement) {
+      if (getComputedStyle(box).overflowY === 'visible' && getComputedStyle(box).overflowX === 'visible') continue;
+      const b = box.getBoundingClientRect();
+      if (x < b.left || x > b.right || y < b.top || y > b.bottom) { inView = false; break; }
+    }
+    if (!inView) continue;
+    const top = document.elementFromPoint(x, y);
+    if (top && !el.contains(top) && !top.contains(el))
+      covered.push(`${name(el)} at (${Math.round(x)}, ${Math.round(y)}) lies under ${name(top)}`);
+  }
+  return {searches, covered};
 }"""
 
 # --- explorable figures (code/explorable.py, _static/explorable.js) -----------------------------
@@ -319,6 +355,8 @@ def figure_contrast(page) -> list[str]:
     return problems
 
 
+WIDE = {"width": 1600, "height": 900}  # a wide screen, where the theme shows more chrome
+
 MAX_TABS = 3000  # Tab presses at most: far more than any page has focusable elements
 
 
@@ -384,10 +422,16 @@ def visit(page, url: str, path: str, external: list, html_dir: pathlib.Path, axe
          "help": f"highlighted code must meet WCAG AA contrast (4.5:1): {problem}"}
         for problem in page.evaluate(CODE_CONTRAST_JS)]
     report["math_overflow_desktop"] = page.evaluate(MATH_OVERFLOW_JS)
+    page.evaluate("() => scrollTo(0, 0)")
+    report["chrome"] = {sb.DESKTOP["width"]: page.evaluate(CHROME_JS)}
+    page.set_viewport_size(WIDE)
+    report["chrome"][WIDE["width"]] = page.evaluate(CHROME_JS)
     # Last, as a phone: nothing may make the page wider than the screen.
     page.set_viewport_size(sb.PHONE)
     report["phone_overflow"] = page.evaluate(PHONE_OVERFLOW_JS)
     report["math_overflow_phone"] = page.evaluate(MATH_OVERFLOW_JS)
+    page.evaluate("() => scrollTo(0, 0)")
+    report["chrome"][sb.PHONE["width"]] = page.evaluate(CHROME_JS)
     report["seconds"] = time.perf_counter() - started
     return dict(report)
 
@@ -556,6 +600,22 @@ def test_display_equations_too_wide_for_a_phone_scroll_and_are_never_cut_off(sit
         f"cut off: {m['text']}" for m in r.get("math_overflow_phone", [])
         if not m["scrollable"]])
     assert not found, "display equations cut off at phone width:\n" + format_failures(found)
+
+
+def test_one_search_field_and_no_page_chrome_under_other_chrome_at_every_width(site):
+    _, reports = site
+
+    def check(page, report):
+        problems = []
+        for width, chrome in report["chrome"].items():
+            if len(chrome["searches"]) != 1:
+                problems.append(f"{width} px: {len(chrome['searches'])} search controls shown: "
+                                f"{chrome['searches']}")
+            problems += [f"{width} px: {c}" for c in chrome["covered"]]
+        return problems
+
+    found = failures(reports, check)
+    assert not found, "page chrome:\n" + format_failures(found)
 
 
 def test_no_page_scrolls_sideways_on_a_phone(site):

@@ -167,3 +167,33 @@ def test_build_book_patches_only_when_run():
     import build_book  # noqa: F401
 
     assert ProofDomain.merge_domaindata is Domain.merge_domaindata
+
+
+def test_readme_shows_one_measurement_of_make_bench_for_the_book_as_it_is():
+    """README's build times are the table `make bench` last wrote there, headed by its date,
+    commit and machine, covering the book's current chapters, not numbers from several dates."""
+    import bench
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert readme.count(bench.README_START) == 1 and readme.count(bench.README_END) == 1
+    table = readme[readme.index(bench.README_START) + len(bench.README_START):
+                   readme.index(bench.README_END)].strip()
+    assert re.match(r"Measured by `make bench` on \d{4}-\d\d-\d\d at commit \w+.*, on \d+ cores "
+                    r".*torch [\d.]+", table), table[:200]
+    chapters = sorted(p.stem for p in (ROOT / "chapters").glob("[0-9][0-9]-*.md"))
+    timed = re.findall(r"^\| (\d\d-[\w-]+) \| [\d.]+ \|$", table, re.M)
+    assert timed == chapters, f"the table times {timed}, the book has {chapters}: run make bench"
+    graded = re.findall(r"^\| (\d\d-[\w-]+) \| [\d.]+ \| [\d.]+ \| (?:yes|NO) \|$", table, re.M)
+    assert graded == chapters
+    for budget in ("clean build within", "no-op rebuild within", "s per chapter", "x floor",
+                   "x of PyTorch"):
+        assert budget in table, f"the table judges no budget {budget!r}"
+
+
+def test_make_bench_replaces_only_its_own_block_of_readme():
+    import bench
+
+    readme = f"intro\n{bench.README_START}\n\nold table\n\n{bench.README_END}\nafter\n"
+    new = bench.with_table(readme, "| new | table |")
+    assert new == f"intro\n{bench.README_START}\n\n| new | table |\n\n{bench.README_END}\nafter\n"
+    assert bench.with_table(new, "| new | table |") == new

@@ -14,7 +14,9 @@ Measures, on this machine, in one run:
   against the budget of 40 s of suite per chapter (--skip-suite leaves this out);
 - nbgrader's autograde of one student's submission, per chapter, against 3x the floor
   (--skip-autograde leaves this out).
-The table is printed and written to _build/bench.md.
+The table is printed and written to _build/bench.md, headed by the date, the commit and the
+machine. A complete run (nothing skipped) also puts it in README.md, between README_START and
+README_END, so that README shows the current measurement and not older ones.
 """
 
 from __future__ import annotations
@@ -57,6 +59,12 @@ def build_times(out: pathlib.Path) -> tuple[float, float, dict[str, float]]:
                 for doc, data in env.nb_metadata.items() if data.get("exec_data")}
     return clean, noop, dict(sorted(chapters.items()))
 
+
+README_START = "<!-- make bench writes the lines below: do not edit them by hand -->"
+README_END = "<!-- end of make bench's table -->"
+BUILD_BUDGET_FLOORS = 2.0  # a clean build within twice the floor of its chapters
+NOOP_BUDGET = 15.0  # seconds for a no-op rebuild
+MODULE_BUDGET_RATIO = 1.5  # the module's forward pass within 1.5x PyTorch's
 
 SUITE_BUDGET_PER_CHAPTER = 40.0  # seconds of `make test` per chapter on the 2-core machine
 
@@ -207,8 +215,7 @@ def main() -> None:
     parser.add_argument("--skip-autograde", action="store_true", help="no nbgrader timings")
     args = parser.parse_args()
 
-    lines = [f"Machine: {os.cpu_count()} cores, {platform.processor() or platform.machine()}, "
-             f"Python {platform.python_version()}", ""]
+    lines = [heading(), ""]
     if not args.skip_build:
         out = pathlib.Path(tempfile.mkdtemp(prefix="bench-"))
         try:
@@ -228,6 +235,10 @@ def main() -> None:
             f"| chapter execution, summed | {executed:.1f} |",
             f"| clean build / floor | {clean / book_floor:.2f} |",
             f"| summed execution / floor | {executed / book_floor:.2f} |",
+            f"| budget: clean build within {BUILD_BUDGET_FLOORS:.0f}x the floor | "
+            f"{'met' if clean <= BUILD_BUDGET_FLOORS * book_floor else 'NOT met'} |",
+            f"| budget: no-op rebuild within {NOOP_BUDGET:.0f} s | "
+            f"{'met' if noop <= NOOP_BUDGET else 'NOT met'} |",
             "", "| chapter | execution seconds |", "| --- | ---: |",
             *[f"| {name} | {sec:.1f} |" for name, sec in chapters.items()],
             "", "| site | |", "| --- | ---: |",
@@ -274,12 +285,43 @@ def main() -> None:
         ]
     lines += ["| forward pass (CPU, 1 thread, no grad, best of 30) | module ms | PyTorch ms | ratio |",
               "| --- | ---: | ---: | ---: |"]
-    lines += [f"| {name} | {mine:.2f} | {ref:.2f} | {ratio:.2f} |"
-              for name, mine, ref, ratio in forward_ratios()]
+    ratios = forward_ratios()
+    lines += [f"| {name} | {mine:.2f} | {ref:.2f} | {ratio:.2f} |" for name, mine, ref, ratio in ratios]
+    within = sum(ratio <= MODULE_BUDGET_RATIO for *_, ratio in ratios)
+    lines += [f"| budget: within {MODULE_BUDGET_RATIO}x of PyTorch | | | {within} of {len(ratios)} |"]
     report = "\n".join(lines)
     print(report)
     (ROOT / "_build").mkdir(exist_ok=True)
     (ROOT / "_build" / "bench.md").write_text(report + "\n")
+    if not (args.skip_build or args.skip_suite or args.skip_autograde):
+        readme = ROOT / "README.md"
+        readme.write_text(with_table(readme.read_text(encoding="utf-8"), report), encoding="utf-8")
+        print(f"\nREADME.md now shows this table ({readme}).")
+
+
+def heading() -> str:
+    """When, at which commit and on what machine the table was measured."""
+    import torch
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip() or "unknown"
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                           capture_output=True, text=True).stdout.strip()
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return (f"Measured by `make bench` on {time.strftime('%Y-%m-%d', time.gmtime())} at commit "
+            f"{commit}{' (with uncommitted changes)' if dirty else ''}, on {os.cpu_count()} cores "
+            f"({platform.processor() or platform.machine()}, CPU kernels "
+            f"{torch.backends.cpu.get_cpu_capability()}), {memory:.0f} GiB, "
+            f"{'a GPU' if torch.cuda.is_available() else 'no GPU'}: "
+            f"Python {platform.python_version()}, torch {torch.__version__}.")
+
+
+def with_table(readme: str, report: str) -> str:
+    """README's text with the lines between README_START and README_END replaced by report."""
+    start, end = readme.find(README_START), readme.find(README_END)
+    if start < 0 or end < start:
+        raise SystemExit(f"README.md has no {README_START!r} ... {README_END!r} block")
+    return readme[:start + len(README_START)] + "\n\n" + report + "\n\n" + readme[end:]
 
 
 if __name__ == "__main__":
