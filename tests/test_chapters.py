@@ -120,6 +120,16 @@ class TestChapter:
             assert re.search(r"tags: \[[^\]]*wall-clock", text), "timing cell without a wall-clock tag"
 
 
+@pytest.mark.parametrize("name", ["intro", "notation", "instructors"])
+def test_the_other_pages_state_no_timing_with_nothing_behind_it(name):
+    unsupported = [sentence for sentence in prose_sentences(CHAPTERS / f"{name}.md")
+                   if timing_claim(sentence) and not SUPPORTED_TIMING.search(sentence)]
+    assert not unsupported, "\n".join(unsupported)
+    seconds = re.findall(r"[^.]*\b\d+(?:\.\d+)? ?(?:s|seconds|minutes|min)\b[^.]*\.",
+                         (CHAPTERS / f"{name}.md").read_text(encoding="utf-8"))
+    assert not seconds, f"typed durations, which differ from machine to machine: {seconds}"
+
+
 @pytest.mark.parametrize("path", numbered_chapters(), ids=lambda p: p.stem)
 def test_build_inserts_the_setup_cell_first_and_keeps_every_line_number(path, tmp_path):
     """What Sphinx reads (_ext/chapter_setup.py): myst-nb finds the setup cell first, with the
