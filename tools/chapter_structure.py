@@ -31,7 +31,7 @@ CHAPTER_DOC = re.compile(r"chapters/\d\d-[\w-]+$")  # a numbered chapter's docna
 # The book's code, every file of code/, in the order a notebook imports it: the module, its
 # siblings of Part III (which may import it), the explorable figures' helper, the checks'
 # machinery, and each chapter's checks (checks_<chapter>.py, which import all of those).
-TEACHING_FILES = ("attention.py", "position.py", "flash.py", "explorable.py")
+TEACHING_FILES = ("attention.py", "position.py", "flash.py", "transformer.py", "explorable.py")
 CHECKING_FILE = "checking.py"
 CHECK_FILES = tuple(sorted(path.name for path in (ROOT / "code").glob("checks_*.py")))
 CODE_FILES = (*TEACHING_FILES, CHECKING_FILE, *CHECK_FILES)

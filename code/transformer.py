@@ -1,0 +1,158 @@
+"""The Transformer block, built on the book's ``MultiHeadAttention``, written to be read.
+
+One block is attention followed by a position-wise MLP, each wrapped in a residual connection
+and a layer normalisation. Two orders are in use:
+
+    post-LN (Vaswani et al. 2017):       x = LN1(x + Attn(x));   x = LN2(x + MLP(x))
+    pre-LN  (GPT-2 and most models since): x = x + Attn(LN1(x));  x = x + MLP(LN2(x))
+
+``norm_first=True`` gives pre-LN, as in ``torch.nn.TransformerEncoderLayer``, whose weights
+``TransformerBlock.from_torch`` copies; the tests check that both give the same output, masked
+or causal, in both orders and with either activation.
+
+Shapes are batch first: ``x`` is ``(B, T, D)`` with ``D = d_model``. The mask convention is
+the module's (code/attention.py): a boolean ``attn_mask`` is True where a query *may attend*;
+``torch.nn.TransformerEncoderLayer``'s ``src_mask`` is True where it may *not*.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from attention import KVCache, MultiHeadAttention
+
+__all__ = ["TransformerBlock", "ACTIVATIONS"]
+
+# The MLP's nonlinearity. "swiglu" is a gated unit (Shazeer 2020): the first linear layer
+# gives 2 * d_ff features, a gate g and a value u, and the MLP keeps silu(g) * u.
+ACTIVATIONS = ("relu", "gelu", "swiglu")
+
+
+class TransformerBlock(nn.Module):
+    """Self-attention and a position-wise MLP, each with a residual connection and a layer norm.
+
+    ``d_model`` is the width of the residual stream, ``num_heads`` the attention heads (a divisor
+    of ``d_model``), ``d_ff`` the MLP's hidden width. ``norm_first`` picks the order (True: pre-LN;
+    False: post-LN, as in the 2017 paper). ``dropout`` is applied where PyTorch's encoder layer
+    applies it: to the attention weights, after the MLP's activation, and to each branch before
+    it is added to the residual stream. ``bias`` gives every linear map and layer norm a bias.
+
+    For ``relu`` and ``gelu``, as many parameters as ``torch.nn.TransformerEncoderLayer``, the
+    MLP's and the norms' under the same names (its attention stacks W_Q, W_K and W_V in one
+    matrix, this block's keeps three; see ``from_torch``); ``swiglu``'s first linear map is
+    twice as wide.
+    """
+
+    def __init__(
+        self, d_model: int, num_heads: int, d_ff: int, *, norm_first: bool = True,
+        activation: str = "gelu", dropout: float = 0.0, bias: bool = True,
+        layer_norm_eps: float = 1e-5, device=None, dtype=None,
+    ):
+        super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+        if d_ff < 1:
+            raise ValueError(f"d_ff must be positive, got {d_ff}")
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+        place = {"device": device, "dtype": dtype}
+        self.d_model, self.num_heads, self.d_ff = d_model, num_heads, d_ff
+        self.norm_first, self.activation = norm_first, activation
+        self.self_attn = MultiHeadAttention(d_model, num_heads, dropout=dropout, bias=bias, **place)
+        hidden = 2 * d_ff if activation == "swiglu" else d_ff
+        self.linear1 = nn.Linear(d_model, hidden, bias=bias, **place)
+        self.linear2 = nn.Linear(d_ff, d_model, bias=bias, **place)
+        self.norm1 = nn.LayerNorm(d_model, eps=layer_norm_eps, bias=bias, **place)
+        self.norm2 = nn.LayerNorm(d_model, eps=layer_norm_eps, bias=bias, **place)
+        self.dropout = nn.Dropout(dropout)  # after the MLP's activation
+        self.dropout1 = nn.Dropout(dropout)  # the attention branch
+        self.dropout2 = nn.Dropout(dropout)  # the MLP branch
+
+    def forward(
+        self, x: Tensor, *, attn_mask: Optional[Tensor] = None, is_causal: bool = False,
+        need_weights: bool = False, cache: Optional[KVCache] = None,
+    ):
+        """The block applied to ``x`` ``(B, T, d_model)``; returns ``(B, T, d_model)``.
+
+        ``attn_mask`` (True = may attend, or a float mask added to the scores) broadcasts to
+        ``(B, H, T, T)``; ``is_causal`` lets position i attend to positions up to i. With
+        ``need_weights`` the attention weights ``(B, H, T, S)`` are returned too, as
+        ``(output, weights)``. A ``cache`` (``KVCache``) makes the block decode: ``x`` holds
+        the new positions only, and attention also reads the cached ones.
+        """
+        if not isinstance(x, Tensor) or x.dim() != 3 or x.shape[-1] != self.d_model:
+            shape = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
+            raise ValueError(f"TransformerBlock expects x of shape (B, T, d_model) with "
+                             f"d_model={self.d_model}; got {shape}")
+        mask = {"attn_mask": attn_mask, "is_causal": is_causal, "cache": cache}
+        if self.norm_first:
+            attended, weights = self._attention(self.norm1(x), **mask)
+            x = x + attended
+            x = x + self._mlp(self.norm2(x))
+        else:
+            attended, weights = self._attention(x, **mask)
+            x = self.norm1(x + attended)
+            x = self.norm2(x + self._mlp(x))
+        return (x, weights) if need_weights else x
+
+    def _attention(self, x: Tensor, **mask) -> tuple[Tensor, Tensor]:
+        out, weights = self.self_attn(x, x, x, **mask)
+        return self.dropout1(out), weights
+
+    def _mlp(self, x: Tensor) -> Tensor:
+        h = self.linear1(x)
+        if self.activation == "relu":
+            h = F.relu(h)
+        elif self.activation == "gelu":
+            h = F.gelu(h)  # the exact GELU, x * Phi(x), as PyTorch's default
+        else:
+            gate, value = h.chunk(2, dim=-1)
+            h = F.silu(gate) * value
+        return self.dropout2(self.linear2(self.dropout(h)))
+
+    @classmethod
+    def from_torch(cls, layer: nn.TransformerEncoderLayer) -> "TransformerBlock":
+        """A block with the weights of ``layer``, a ``torch.nn.TransformerEncoderLayer`` built
+        with ``batch_first=True``, either ``norm_first``, and ReLU or (exact) GELU.
+
+        The two then compute the same function, with one difference of convention: pass
+        ``attn_mask=~src_mask`` here for a boolean ``src_mask`` there.
+        """
+        if not isinstance(layer, nn.TransformerEncoderLayer):
+            raise TypeError(f"from_torch expects torch.nn.TransformerEncoderLayer, "
+                            f"got {type(layer).__name__}")
+        if not layer.self_attn.batch_first:
+            raise ValueError("from_torch needs a layer built with batch_first=True: this block "
+                             "reads (B, T, d_model), the layer would read (T, B, d_model)")
+        activation = _activation_name(layer.activation)
+        attn = layer.self_attn
+        weight = layer.linear1.weight
+        new = cls(
+            attn.embed_dim, attn.num_heads, layer.linear1.out_features,
+            norm_first=layer.norm_first, activation=activation, dropout=layer.dropout.p,
+            bias=layer.linear1.bias is not None, layer_norm_eps=layer.norm1.eps,
+            device=weight.device, dtype=weight.dtype,
+        )
+        new.self_attn = MultiHeadAttention.from_torch(attn)
+        with torch.no_grad():
+            for name in ("linear1", "linear2", "norm1", "norm2"):
+                theirs, ours = getattr(layer, name), getattr(new, name)
+                ours.weight.copy_(theirs.weight)
+                if theirs.bias is not None:
+                    ours.bias.copy_(theirs.bias)
+        new.train(layer.training)
+        return new
+
+
+def _activation_name(activation) -> str:
+    """"relu" or "gelu" for what an encoder layer holds (a function or a module)."""
+    if activation is F.relu or isinstance(activation, nn.ReLU):
+        return "relu"
+    if activation is F.gelu or isinstance(activation, nn.GELU) and activation.approximate == "none":
+        return "gelu"
+    raise ValueError(f"from_torch copies layers whose activation is ReLU or the exact GELU; "
+                     f"got {activation!r}")

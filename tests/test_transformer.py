@@ -1,0 +1,193 @@
+"""code/transformer.py: the Transformer block against PyTorch's encoder layer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from attention import KVCache, causal_mask, padding_mask
+from transformer import TransformerBlock
+
+D, H, FF = 16, 4, 24
+
+
+def torch_layer(norm_first: bool, activation: str, dtype=torch.float64, bias: bool = True,
+                seed: int = 0) -> nn.TransformerEncoderLayer:
+    torch.manual_seed(seed)
+    layer = nn.TransformerEncoderLayer(D, H, FF, dropout=0.0, activation=activation,
+                                       batch_first=True, norm_first=norm_first, bias=bias,
+                                       dtype=dtype)
+    with torch.no_grad():  # layer norms away from their (1, 0) start, so that a swap shows
+        for norm in (layer.norm1, layer.norm2):
+            norm.weight.uniform_(0.5, 1.5)
+            if norm.bias is not None:
+                norm.bias.uniform_(-0.5, 0.5)
+    return layer
+
+
+ORDERS = pytest.mark.parametrize("norm_first", [True, False], ids=["pre-LN", "post-LN"])
+ACTS = pytest.mark.parametrize("activation", ["relu", "gelu"])
+
+
+@ORDERS
+@ACTS
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_same_output_as_pytorch_unmasked_masked_and_causal(norm_first, activation, mode):
+    layer = torch_layer(norm_first, activation)
+    block = TransformerBlock.from_torch(layer)
+    for module in (layer, block):
+        module.train(mode == "train")
+    x = torch.randn(3, 7, D, dtype=torch.float64)
+    allowed = padding_mask([7, 4, 1], 7)  # (3, 7): True = may attend
+    with torch.no_grad():
+        torch.testing.assert_close(block(x), layer(x))
+        causal = nn.Transformer.generate_square_subsequent_mask(7, dtype=torch.float64)
+        torch.testing.assert_close(block(x, is_causal=True),
+                                   layer(x, src_mask=causal, is_causal=True))
+        torch.testing.assert_close(block(x, attn_mask=causal_mask(7)), layer(x, src_mask=causal))
+        # PyTorch's boolean masks say True = blocked: the negation of the book's.
+        torch.testing.assert_close(block(x, attn_mask=allowed[:, None, None, :]),
+                                   layer(x, src_key_padding_mask=~allowed))
+
+
+@ORDERS
+@ACTS
+def test_same_output_and_gradients_in_float32(norm_first, activation):
+    layer = torch_layer(norm_first, activation, dtype=torch.float32)
+    block = TransformerBlock.from_torch(layer)
+    x = torch.randn(2, 5, D)
+    ours, theirs = block(x, is_causal=True), layer(
+        x, src_mask=nn.Transformer.generate_square_subsequent_mask(5), is_causal=True)
+    torch.testing.assert_close(ours, theirs)
+    ours.square().sum().backward()
+    theirs.square().sum().backward()
+    torch.testing.assert_close(block.linear1.weight.grad, layer.linear1.weight.grad)
+    torch.testing.assert_close(block.self_attn.q_proj.weight.grad,
+                               layer.self_attn.in_proj_weight.grad[:D])
+
+
+@ACTS
+@pytest.mark.parametrize("bias", [True, False])
+def test_same_number_of_parameters_as_pytorch(activation, bias):
+    layer = torch_layer(True, activation, bias=bias)
+    block = TransformerBlock(D, H, FF, activation=activation, bias=bias)
+    count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    assert count(block) == count(layer)
+    # 4 D^2 + 2 D FF weights; biases 4 D + FF + D; two norms 2 D each (bias 0 without bias)
+    assert count(block) == 4 * D * D + 2 * D * FF + bias * (4 * D + FF + D) + 2 * D * (1 + bias)
+
+
+def test_the_two_orders_are_the_formulas_of_their_papers():
+    torch.manual_seed(1)
+    x = torch.randn(2, 6, D, dtype=torch.float64)
+    for norm_first in (True, False):
+        b = TransformerBlock(D, H, FF, norm_first=norm_first, dtype=torch.float64)
+        attn = lambda y: b.self_attn(y, y, y, is_causal=True)[0]  # noqa: E731
+        mlp = lambda y: b.linear2(F.gelu(b.linear1(y)))  # noqa: E731
+        if norm_first:
+            y = x + attn(b.norm1(x))
+            expected = y + mlp(b.norm2(y))
+        else:
+            y = b.norm1(x + attn(x))
+            expected = b.norm2(y + mlp(y))
+        torch.testing.assert_close(b(x, is_causal=True), expected)
+
+
+def test_swiglu_gates_half_of_the_first_layer_with_silu():
+    torch.manual_seed(2)
+    b = TransformerBlock(D, H, FF, activation="swiglu", dtype=torch.float64)
+    assert b.linear1.out_features == 2 * FF and b.linear2.in_features == FF
+    x = torch.randn(1, 3, D, dtype=torch.float64)
+    gate, value = b.linear1(x).split(FF, dim=-1)
+    torch.testing.assert_close(b._mlp(x), b.linear2(F.silu(gate) * value))
+
+
+def test_a_causal_block_ignores_the_future():
+    torch.manual_seed(3)
+    b = TransformerBlock(D, H, FF, dtype=torch.float64)
+    x = torch.randn(1, 6, D, dtype=torch.float64)
+    changed = x.clone()
+    changed[:, 4:] += torch.randn(1, 2, D, dtype=torch.float64)  # (a constant shift would
+    # vanish in the layer norm)
+    torch.testing.assert_close(b(x, is_causal=True)[:, :4], b(changed, is_causal=True)[:, :4])
+    assert not torch.allclose(b(x)[:, :4], b(changed)[:, :4])
+
+
+def test_weights_are_returned_on_request():
+    b = TransformerBlock(D, H, FF)
+    out, weights = b(torch.randn(2, 5, D), is_causal=True, need_weights=True)
+    assert out.shape == (2, 5, D) and weights.shape == (2, H, 5, 5)
+    torch.testing.assert_close(weights.sum(-1), torch.ones(2, H, 5))
+    assert (weights.triu(1) == 0).all()
+
+
+@pytest.mark.parametrize("chunks", [[6], [1] * 6, [2, 3, 1], [4, 2]])
+def test_decoding_with_a_cache_equals_the_whole_sequence(chunks):
+    torch.manual_seed(4)
+    b = TransformerBlock(D, H, FF, dtype=torch.float64).eval()
+    x = torch.randn(2, 6, D, dtype=torch.float64)
+    cache, outputs, start = KVCache(), [], 0
+    for n in chunks:
+        outputs.append(b(x[:, start:start + n], is_causal=True, cache=cache))
+        start += n
+    torch.testing.assert_close(torch.cat(outputs, dim=1), b(x, is_causal=True))
+
+
+def test_dropout_only_in_training():
+    torch.manual_seed(5)
+    b = TransformerBlock(D, H, FF, dropout=0.5)
+    x = torch.randn(2, 5, D)
+    b.eval()
+    torch.testing.assert_close(b(x), b(x))
+    b.train()
+    assert not torch.allclose(b(x), b(x))
+
+
+@pytest.mark.parametrize("x, message", [
+    (torch.randn(5, D), r"\(B, T, d_model\) with d_model=16; got \(5, 16\)"),
+    (torch.randn(2, 5, D + 1), r"got \(2, 5, 17\)"),
+    ([[1.0] * D], r"got list"),
+])
+def test_bad_input_is_refused_naming_its_shape(x, message):
+    with pytest.raises(ValueError, match=message):
+        TransformerBlock(D, H, FF)(x)
+
+
+def test_bad_configuration_is_refused():
+    with pytest.raises(ValueError, match="activation must be one of"):
+        TransformerBlock(D, H, FF, activation="tanh")
+    with pytest.raises(ValueError, match="multiple of num_heads"):
+        TransformerBlock(D, 5, FF)
+    with pytest.raises(ValueError, match="d_ff must be positive"):
+        TransformerBlock(D, H, 0)
+
+
+def test_from_torch_refuses_what_it_cannot_copy():
+    with pytest.raises(ValueError, match="batch_first=True"):
+        TransformerBlock.from_torch(nn.TransformerEncoderLayer(D, H, FF))
+    with pytest.raises(ValueError, match="ReLU or the exact GELU"):
+        TransformerBlock.from_torch(nn.TransformerEncoderLayer(
+            D, H, FF, batch_first=True, activation=nn.GELU(approximate="tanh")))
+    with pytest.raises(TypeError, match="TransformerEncoderLayer"):
+        TransformerBlock.from_torch(nn.Linear(D, D))
+
+
+@ORDERS
+@ACTS
+def test_same_output_as_pytorchs_fused_inference_path(norm_first, activation):
+    """In eval mode, under no_grad, in float32, PyTorch's encoder layer runs one fused kernel
+    (its "fast path"); the block agrees with that too, with and without key padding."""
+    layer = torch_layer(norm_first, activation, dtype=torch.float32).eval()
+    block = TransformerBlock.from_torch(layer)
+    x = torch.randn(3, 7, D)
+    allowed = padding_mask([7, 4, 2], 7)
+    with torch.no_grad():
+        torch.testing.assert_close(block(x), layer(x))
+        theirs = layer(x, src_key_padding_mask=~allowed)
+        ours = block(x, attn_mask=allowed[:, None, None, :])
+        if theirs.is_nested or theirs.shape != ours.shape:  # pragma: no cover - other versions
+            theirs = torch.nested.to_padded_tensor(theirs, 0.0, ours.shape)
+        keep = allowed[..., None]  # the fast path leaves zeros at padded positions
+        torch.testing.assert_close(ours * keep, theirs * keep)
