@@ -174,6 +174,7 @@ class Converter:
         self.res, self.srcdir = res, srcdir
         self.headings = list(res.env.toc_secnumbers[res.docname].values())
         self.heading_index = 0
+        self.deeper_next = False  # an {rst-class} deeper was met: the next heading is deeper
 
     def heading(self, line: str) -> str:
         hashes, title = re.match(r"(#+)\s+(.*)", line).groups()
@@ -182,7 +183,9 @@ class Converter:
         number = self.headings[self.heading_index]
         self.heading_index += 1
         label = ".".join(map(str, number)) + ("." if len(number) == 1 else "")
-        return f"{hashes} {label} {convert_inline(title, self.res)}"
+        badge = " (deeper)" if self.deeper_next else ""  # as the page's badge (_ext/core_path.py)
+        self.deeper_next = False
+        return f"{hashes} {label} {convert_inline(title, self.res)}{badge}"
 
     def render(self, lines: list[str], top: bool = False,
                tag: str | None = None) -> list[tuple[str, str | None]]:
@@ -246,6 +249,8 @@ class Converter:
                 tag_line = (f"\n\\tag{{{self.res.equation(opts['label'])}}}"
                             if "label" in opts else "")
                 emit(f"$$\n{self.res.glue_math(arg)}{tag_line}\n$$")
+            elif name == "rst-class" and arg.split() == ["deeper"]:
+                self.deeper_next = True
             elif name == "literalinclude":
                 emit(self.listing(arg, opts))
             else:

@@ -1,0 +1,198 @@
+"""The core path: each chapter's essentials first, its deeper sections marked, reading times.
+
+A chapter marks a section as deeper with MyST's ``rst-class`` directive right before its heading::
+
+    ```{rst-class} deeper
+    ```
+    ## Why the base is 10000
+
+which gives the section element the class ``deeper`` (print styles, tests and the "Core path"
+switch of _static/core-path.js find it there). This extension, as each page is read:
+
+* labels every outermost deeper section with a badge, in its heading and in its entry of the
+  page's contents;
+* counts the words of a chapter's prose, and of the prose of its core (everything outside the
+  deeper sections): paragraphs, lists, proofs and captions read as text, not code cells and
+  their outputs, display math or the exercises and solutions;
+* puts the reading time of the core and of the whole chapter under its title.
+
+After every page is read, the ``{reading-routes}`` directive (on the landing page) becomes the
+two routes through the book, each with its reading time and its chapters' count.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+from docutils import nodes
+from sphinx.application import Sphinx
+from sphinx.util.docutils import SphinxDirective
+
+DEEPER = "deeper"
+WORDS_PER_MINUTE = 200  # a careful reading of technical prose
+CHAPTER = re.compile(r"chapters/\d\d-[\w-]+$")
+# Whole nodes whose text is not prose: code cells and their outputs, display math, literal
+# blocks, raw HTML, comments, and the exercises and their solutions (sphinx-exercise's nodes).
+SKIPPED_NODES = (nodes.literal_block, nodes.math_block, nodes.raw, nodes.comment,
+                 nodes.substitution_definition)
+SKIPPED_CLASSES = {"cell", "exercise", "solution", "reading-time", "deeper-badge"}
+
+
+def is_deeper(node: nodes.Node) -> bool:
+    return isinstance(node, nodes.section) and DEEPER in node.get("classes", [])
+
+
+def _skipped(node: nodes.Element) -> bool:
+    if isinstance(node, SKIPPED_NODES):
+        return True
+    if SKIPPED_CLASSES & set(node.get("classes", [])):
+        return True
+    name = type(node).__name__
+    return name.startswith(("exercise", "solution"))  # sphinx-exercise's nodes
+
+
+def count_words(doctree: nodes.Node) -> tuple[int, int]:
+    """(words of the whole chapter's prose, words of its core's prose)."""
+    whole = core = 0
+
+    def walk(node: nodes.Node, deeper: bool) -> None:
+        nonlocal whole, core
+        if isinstance(node, nodes.Text):
+            n = len(re.findall(r"\w+(?:[-'’]\w+)*", node.astext()))
+            whole += n
+            core += 0 if deeper else n
+            return
+        if isinstance(node, nodes.Element):
+            if _skipped(node) or isinstance(node, nodes.math):
+                if isinstance(node, nodes.math):  # an inline formula reads as one word
+                    whole += 1
+                    core += 0 if deeper else 1
+                return
+            if isinstance(node, nodes.section) and node.get("ids") and "exercises" in node["ids"]:
+                return  # the Exercises section: statements and solutions, not counted
+            deeper = deeper or is_deeper(node)
+            for child in node.children:
+                walk(child, deeper)
+
+    walk(doctree, False)
+    return whole, core
+
+
+def minutes(words: int) -> int:
+    return max(1, round(words / WORDS_PER_MINUTE))
+
+
+def outermost_deeper(doctree: nodes.Node) -> list[nodes.section]:
+    return [s for s in doctree.findall(nodes.section)
+            if is_deeper(s) and not any(is_deeper(p) for p in _ancestors(s))]
+
+
+def badge() -> nodes.inline:
+    return nodes.inline("", "deeper", classes=["deeper-badge"])
+
+
+def label_deeper_sections(app: Sphinx, doctree: nodes.document) -> None:
+    """A badge in the title of every outermost deeper section and in its entry of the page's
+    contents. Connected to doctree-read after Sphinx has collected the page's contents and its
+    domains the section titles for cross-references, so that a {ref} to the section shows its
+    title without the badge."""
+    ids = set()
+    for section in outermost_deeper(doctree):
+        title = section.next_node(nodes.title)
+        if title is not None:
+            title += nodes.Text(" ")
+            title += badge()
+        ids.update(section["ids"])
+    toc = app.env.tocs.get(app.env.docname)
+    if toc is None or not ids:
+        return
+    for reference in toc.findall(nodes.reference):
+        if reference.get("anchorname", "").lstrip("#") in ids:
+            reference += nodes.Text(" ")
+            reference += badge()
+
+
+def record_reading_time(app: Sphinx, doctree: nodes.document) -> None:
+    """Count a chapter's words and put its reading times under its title."""
+    env = app.env
+    if not hasattr(env, "core_path_words"):
+        env.core_path_words = {}
+    docname = env.docname
+    if not CHAPTER.search(docname):
+        env.core_path_words.pop(docname, None)
+        return
+    whole, core = count_words(doctree)
+    env.core_path_words[docname] = (whole, core)
+    title = doctree.next_node(nodes.title)
+    if title is None:
+        return
+    sections = len(outermost_deeper(doctree))
+    text = (f"Reading time: core path {minutes(core)} min, whole chapter {minutes(whole)} min "
+            f"({sections} deeper section{'s' * (sections != 1)}; prose at {WORDS_PER_MINUTE} "
+            f"words a minute, code and exercises extra).")
+    paragraph = nodes.paragraph("", "", nodes.Text(text), classes=["reading-time"])
+    title.parent.insert(title.parent.index(title) + 1, paragraph)
+
+
+def _ancestors(node: nodes.Node):
+    node = node.parent
+    while node is not None:
+        yield node
+        node = node.parent
+
+
+class reading_routes(nodes.General, nodes.Element):  # noqa: N801 - docutils' node naming
+    """Where the two routes go, filled in once every chapter has been read."""
+
+
+class ReadingRoutes(SphinxDirective):
+    has_content = False
+
+    def run(self):
+        return [reading_routes("")]
+
+
+def fill_routes(app: Sphinx, doctree: nodes.document, docname: str) -> None:
+    words = getattr(app.env, "core_path_words", {})
+    for node in list(doctree.findall(reading_routes)):
+        whole = sum(w for w, _ in words.values())
+        core = sum(c for _, c in words.values())
+        hours = lambda words: f"{words / WORDS_PER_MINUTE / 60:.1f}"  # noqa: E731
+        items = nodes.bullet_list()
+        for name, count, text in (
+            ("The core path", core, "each chapter's core sections: what a one-week unit on "
+             "attention needs. The Core path switch at the top of every page, beside the theme "
+             "switch, hides the deeper sections, on screen and in print."),
+            ("The whole book", whole, "every section, the deeper ones included: variations of "
+             "the proofs, the experiments that go past the core, and PyTorch's behaviour "
+             "version by version."),
+        ):
+            paragraph = nodes.paragraph()
+            paragraph += nodes.strong("", name)
+            paragraph += nodes.Text(f": about {hours(count)} hours of reading over "
+                                    f"{len(words)} chapters ({count:,} words of prose), {text}")
+            items += nodes.list_item("", paragraph)
+        node.replace_self(items)
+
+
+def merge_words(app, env, docnames, other) -> None:
+    if not hasattr(env, "core_path_words"):
+        env.core_path_words = {}
+    env.core_path_words.update(getattr(other, "core_path_words", {}))
+
+
+def purge_words(app, env, docname) -> None:
+    getattr(env, "core_path_words", {}).pop(docname, None)
+
+
+def setup(app: Sphinx) -> dict:
+    app.add_node(reading_routes)
+    app.add_directive("reading-routes", ReadingRoutes)
+    app.connect("doctree-read", record_reading_time)
+    app.connect("doctree-read", label_deeper_sections, priority=600)  # after the collectors
+    app.connect("doctree-resolved", fill_routes)
+    app.connect("env-merge-info", merge_words)
+    app.connect("env-purge-doc", purge_words)
+    return {"version": "1.0", "parallel_read_safe": True, "parallel_write_safe": True,
+            "env_version": 1}
