@@ -13,10 +13,10 @@ check_causal_padding_mask = Check(
     unchanged="padded sequences")
 
 
-def _entrywise(lengths, L, rule):
-    """The (B, L, L) mask whose entry [b, i, j] is rule(lengths[b], i, j), built one entry at
+def _entrywise(lengths, T, rule):
+    """The (B, T, T) mask whose entry [b, i, j] is rule(lengths[b], i, j), built one entry at
     a time."""
-    return torch.tensor([[[bool(rule(n, i, j)) for j in range(L)] for i in range(L)]
+    return torch.tensor([[[bool(rule(n, i, j)) for j in range(T)] for i in range(T)]
                          for n in lengths], dtype=torch.bool)
 
 
@@ -53,42 +53,42 @@ _MASK_MISTAKES = {
 
 _NO_PADDING = (([4, 4], 4), ([1], 1))
 _PADDED = (([3, 1, 4], 4), ([6, 2], 6), ([1, 3, 2], 3))
-_EMPTY_AND_SHORT = (([2, 5, 0], 5), ([2, 3], 5))  # a length 0; L beyond the longest
+_EMPTY_AND_SHORT = (([2, 5, 0], 5), ([2, 3], 5))  # a length 0; T beyond the longest
 
 
-def _mask_call(fn, lengths, L):
-    """(fn(lengths, L), where), with a plain message if fn raises."""
-    where = f"lengths={lengths}, L={L}"
+def _mask_call(fn, lengths, T):
+    """(fn(lengths, T), where), with a plain message if fn raises."""
+    where = f"lengths={lengths}, T={T}"
     try:
-        return fn(torch.tensor(lengths), L), where
+        return fn(torch.tensor(lengths), T), where
     except (RuntimeError, IndexError) as err:
         raise AssertionError(
-            f"{where}: {fn.__name__} raised {err!r}; compare query positions (L, 1), key "
-            "positions (1, L) and lengths (B, 1, 1) by broadcasting") from None
+            f"{where}: {fn.__name__} raised {err!r}; compare query positions (T, 1), key "
+            "positions (1, T) and lengths (B, 1, 1) by broadcasting") from None
 
 
-def _mask_shape(got, lengths, L, where):
+def _mask_shape(got, lengths, T, where):
     B = len(lengths)
     assert isinstance(got, torch.Tensor), f"{where}: expected a tensor, got {type(got).__name__}"
     longest = max(lengths)
-    hint = (f": the mask is L by L, also when L exceeds the longest sequence; not "
+    hint = (f": the mask is T by T, also when T exceeds the longest sequence; not "
             f"lengths.max() by lengths.max()" if tuple(got.shape) == (B, longest, longest)
-            and longest != L else "")
-    assert tuple(got.shape) == (B, L, L), (
-        f"{where}: expected shape (B, L, L) = {(B, L, L)}, got {tuple(got.shape)}{hint}")
+            and longest != T else "")
+    assert tuple(got.shape) == (B, T, T), (
+        f"{where}: expected shape (B, T, T) = {(B, T, T)}, got {tuple(got.shape)}{hint}")
 
 
 def _mask_values(fn, inputs):
-    for lengths, L in inputs:
-        got, where = _mask_call(fn, lengths, L)
-        _mask_shape(got, lengths, L, where)
+    for lengths, T in inputs:
+        got, where = _mask_call(fn, lengths, T)
+        _mask_shape(got, lengths, T, where)
         assert got.dtype == torch.bool, (
             f"{where}: expected a boolean mask (True = may attend), got {got.dtype}")
-        expected = _entrywise(lengths, L, _may_attend)
+        expected = _entrywise(lengths, T, _may_attend)
         if torch.equal(got, expected):
             continue
         for message, rule in _MASK_MISTAKES.items():
-            assert not torch.equal(got, _entrywise(lengths, L, rule)), f"{where}: {message}"
+            assert not torch.equal(got, _entrywise(lengths, T, rule)), f"{where}: {message}"
         b, i, j = (got != expected).nonzero()[0].tolist()
         raise AssertionError(
             f"{where}: entry [b={b}, query={i}, key={j}] is {bool(got[b, i, j])}, expected "
@@ -97,9 +97,9 @@ def _mask_values(fn, inputs):
 
 @check_causal_padding_mask.case("shapes")
 def _(fn):
-    for lengths, L in _PADDED + _NO_PADDING + _EMPTY_AND_SHORT:
-        got, where = _mask_call(fn, lengths, L)
-        _mask_shape(got, lengths, L, where)
+    for lengths, T in _PADDED + _NO_PADDING + _EMPTY_AND_SHORT:
+        got, where = _mask_call(fn, lengths, T)
+        _mask_shape(got, lengths, T, where)
 
 
 @check_causal_padding_mask.case("sequences without padding")
@@ -112,7 +112,7 @@ def _(fn):
     _mask_values(fn, _PADDED)
 
 
-@check_causal_padding_mask.case("an empty sequence, and L beyond the longest")
+@check_causal_padding_mask.case("an empty sequence, and T beyond the longest")
 def _(fn):
     _mask_values(fn, _EMPTY_AND_SHORT)
 
@@ -122,9 +122,9 @@ def _(fn):
     gen = torch.Generator().manual_seed(5)
     inputs = []
     for _ in range(3):
-        L = int(torch.randint(1, 9, (), generator=gen))
+        T = int(torch.randint(1, 9, (), generator=gen))
         B = int(torch.randint(1, 5, (), generator=gen))
-        inputs.append((torch.randint(0, L + 1, (B,), generator=gen).tolist(), L))
+        inputs.append((torch.randint(0, T + 1, (B,), generator=gen).tolist(), T))
     _mask_values(fn, inputs)
 
 

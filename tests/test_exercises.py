@@ -733,7 +733,7 @@ def sm_where_before_division(scores, dim=-1):
     return exp / torch.where(total == 0, torch.ones_like(total), total)
 
 
-# --- chapter 5: check_causal_padding_mask(fn), fn(lengths, L) -> (B, L, L) boolean -----------
+# --- chapter 5: check_causal_padding_mask(fn), fn(lengths, T) -> (B, T, T) boolean -----------
 
 C5 = "check_causal_padding_mask"
 
@@ -804,7 +804,7 @@ def mask_additive(lengths, L):
     return torch.zeros(len(lengths), L, L).masked_fill(~_mask(lengths, L), float("-inf"))
 
 
-@wrong(C5, "expected shape (B, L, L) = (3, 4, 4), got (4, 4)", earns="nothing")
+@wrong(C5, "expected shape (B, T, T) = (3, 4, 4), got (4, 4)", earns="nothing")
 def mask_one_sequence(lengths, L):
     return _mask(lengths, L)[0]
 
