@@ -18,13 +18,19 @@ Shape legend (the letters of the book's notation page and PyTorch's docs)::
 Mask convention, everywhere in this module: a boolean mask is True where a
 query *may attend* to a key (the convention of PyTorch's
 ``scaled_dot_product_attention``); a floating mask is *added* to the scores.
-``torch.nn.MultiheadAttention`` uses the opposite boolean meaning (True =
-blocked): negate its masks before passing them here.
+``torch.nn.MultiheadAttention`` and the layers built on it
+(``nn.Transformer``, ``nn.TransformerEncoderLayer``,
+``nn.TransformerDecoderLayer``) use the opposite boolean meaning (True =
+blocked): negate a boolean mask when passing it between them and this module.
 
 A query whose keys are all masked gets zero weights and a zero output, never
 NaN. Masked positions are filled with ``-inf`` and the softmax is written to
-survive that, so the code works in float16 and bfloat16, where a fill such as
-``-1e9`` would overflow.
+survive that, so one fill serves every dtype. A finite fill such as ``-1e9``
+does not: it overflows in float16, whose largest magnitude is 65504
+(``masked_fill`` raises; converted, it becomes ``-inf``), while bfloat16 and
+float32 hold it (bfloat16 rounds it to about ``-9.98e8``); and where it fits,
+a row whose keys are all masked gets uniform weights over those keys instead
+of zeros.
 
 References: Vaswani et al. (2017), "Attention Is All You Need", section 3.2.
 """
