@@ -1,0 +1,206 @@
+"""The core path on the built site: every chapter's core within its budget and readable on its
+own, its deeper sections marked, and the Core path switch working in a real browser.
+
+The budgets are measured on the built pages, independently of the reading times that
+_ext/core_path.py computes: the prose of a chapter is the text of its article without code
+cells and their outputs (figures included), display math, literal blocks, the exercises and
+their solutions, the reading-time line and the badges; an inline formula is one word.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import posixpath
+import re
+import urllib.parse
+
+import pytest
+
+import site_browser as sb
+
+pytestmark = pytest.mark.book
+
+CORE_WORDS = 2000  # at most, per chapter
+CORE_SHARE = 0.60  # of the chapter's prose, at most
+WORD = re.compile(r"\w+(?:[-'’]\w+)*")
+
+
+def chapter_pages(html_dir: pathlib.Path) -> list[str]:
+    return [f"{doc}.html" for doc in sb.toc_docs() if re.search(r"chapters/\d\d-", doc)]
+
+
+def article(html_dir: pathlib.Path, page: str):
+    from bs4 import BeautifulSoup
+
+    soup = BeautifulSoup((html_dir / page).read_text(encoding="utf-8"), "html.parser")
+    return soup.select_one("article.bd-article")
+
+
+def prose_words(node) -> tuple[int, int]:
+    """(words of the prose, words of the core's prose) of an article element."""
+    import copy
+
+    node = copy.copy(node)
+    for skipped in node.select("div.cell, div.math, pre, div.exercise, div.solution, "
+                               "p.reading-time, span.deeper-badge, section#exercises, "
+                               "div.toggle-hidden, script, style"):
+        skipped.decompose()
+    for formula in node.select("span.math"):
+        formula.replace_with(" formula ")
+    whole = len(WORD.findall(node.get_text(" ")))
+    for deeper in node.select("section.deeper"):
+        deeper.decompose()
+    return whole, len(WORD.findall(node.get_text(" ")))
+
+
+def test_every_chapter_core_is_within_its_budget(build):
+    _, _, out = build
+    html_dir = out / "html"
+    over, report = [], []
+    for page in chapter_pages(html_dir):
+        whole, core = prose_words(article(html_dir, page))
+        report.append(f"{page}: core {core} of {whole} words ({core / whole:.0%})")
+        if core > CORE_WORDS or core > CORE_SHARE * whole:
+            over.append(report[-1])
+    print("\n" + "\n".join(report))
+    assert not over, (f"cores over {CORE_WORDS} words or {CORE_SHARE:.0%} of their chapter:\n"
+                      + "\n".join(over))
+
+
+def test_every_chapter_marks_its_depth_after_its_core(build):
+    """Deeper sections exist, are labelled in heading and contents, and come after the core
+    sections (the summary, exercises and further reading close the chapter)."""
+    _, _, out = build
+    html_dir = out / "html"
+    problems = []
+    closing = {"summary", "exercises", "further-reading"}
+    for page in chapter_pages(html_dir):
+        body = article(html_dir, page)
+        top = body.select_one("section").find_all("section", recursive=False)
+        kinds = ["closing" if s.get("id") in closing else
+                 "deeper" if "deeper" in (s.get("class") or []) else "core" for s in top]
+        if "deeper" not in kinds:
+            problems.append(f"{page}: no deeper section")
+        elif "core" in kinds[kinds.index("deeper"):]:
+            problems.append(f"{page}: a core section after a deeper one: {kinds}")
+        for section in body.select("section.deeper"):
+            if section.find_parent("section", class_="deeper"):
+                continue
+            heading = section.find(re.compile(r"h\d"))
+            if not heading.select_one("span.deeper-badge"):
+                problems.append(f"{page}: #{section['id']} has no badge in its heading")
+        toc = (html_dir / page).read_text(encoding="utf-8")
+        for section in body.select("section.deeper"):
+            if section.find_parent("section", class_="deeper"):
+                continue
+            entry = re.search(rf'href="#{re.escape(section["id"])}">(.*?)</a>', toc)
+            if not entry or "deeper-badge" not in entry.group(1):
+                problems.append(f"{page}: #{section['id']} is not labelled in the contents")
+    assert not problems, "\n".join(problems)
+
+
+def test_no_core_section_links_to_a_deeper_one(build):
+    """The core reads on its own: nothing outside the deeper sections (and the exercises,
+    which are marked core or deeper on the instructors' page) links into a deeper section."""
+    _, _, out = build
+    html_dir = out / "html"
+    pages = chapter_pages(html_dir)
+    deeper_ids = {}
+    for page in pages:
+        deeper_ids[page] = {el["id"] for section in article(html_dir, page).select("section.deeper")
+                            for el in [section, *section.select("[id]")]}
+    problems = []
+    for page in pages + ["chapters/intro.html", "chapters/notation.html"]:
+        body = article(html_dir, page)
+        for link in body.select("a[href]"):
+            if link.find_parent("section", class_="deeper") or link.find_parent(
+                    "section", id="exercises"):
+                continue
+            parts = urllib.parse.urlsplit(link["href"])
+            if parts.scheme or not parts.fragment:
+                continue
+            target = page if not parts.path else posixpath.normpath(
+                posixpath.join(posixpath.dirname(page), parts.path))
+            if urllib.parse.unquote(parts.fragment) in deeper_ids.get(target, ()):
+                problems.append(f"{page}: core text links to {link['href']} "
+                                f"({link.get_text(' ', strip=True)[:40]!r})")
+    assert not problems, "\n".join(problems)
+
+
+def test_reading_times_and_routes_are_computed_not_typed(build):
+    _, _, out = build
+    html_dir = out / "html"
+    for page in chapter_pages(html_dir):
+        line = article(html_dir, page).select_one("p.reading-time")
+        assert line, f"{page}: no reading time under the title"
+        core, whole = map(int, re.findall(r"(\d+) min", line.get_text()))
+        assert 1 <= core < whole, (page, line.get_text())
+    intro = article(html_dir, "chapters/intro.html").get_text(" ")
+    assert re.search(r"The core path\s*: about [\d.]+ hours", intro)
+    assert re.search(r"The whole book\s*: about [\d.]+ hours", intro)
+
+
+# --- the switch, in Chromium ---------------------------------------------------------------------
+
+STATE_JS = """() => ({
+  mode: document.documentElement.dataset.corePath,
+  pressed: document.querySelector('.core-path-button')?.getAttribute('aria-pressed'),
+  status: document.querySelector('.core-path-status')?.textContent || '',
+  deeperShown: [...document.querySelectorAll('section.deeper')]
+    .filter(s => !s.parentElement.closest('section.deeper'))
+    .map(s => s.getBoundingClientRect().height > 0),
+  entriesShown: [...document.querySelectorAll('li.deeper-entry')]
+    .map(li => getComputedStyle(li).display !== 'none'),
+  besideTheme: document.querySelector('.core-path-button')?.nextElementSibling?.nextElementSibling
+    ?.classList.contains('theme-switch-button') || false,
+})"""
+
+
+def visit_switch(page, url: str, path: str, external: list) -> dict:
+    """Turn the switch on by keyboard, look, follow a link to the next chapter, print, and
+    turn it off again (the browser context keeps local storage between pages)."""
+    sb.open_page(page, url)
+    report = {"off": page.evaluate(STATE_JS)}
+    page.focus(".core-path-button")
+    page.keyboard.press("Enter")
+    page.wait_for_function("() => document.querySelector('.core-path-status').textContent")
+    report["on"] = page.evaluate(STATE_JS)
+    page.emulate_media(media="print")
+    report["printed"] = page.evaluate(STATE_JS)
+    page.emulate_media(media="screen")
+    other = "chapters/01-intuition.html" if path != "chapters/01-intuition.html" else \
+        "chapters/02-queries-keys-values.html"
+    sb.open_page(page, url[: -len(path)] + other)  # another chapter: the switch is still on
+    report["reloaded"] = page.evaluate(STATE_JS)
+    page.focus(".core-path-button")
+    page.keyboard.press("Space")
+    report["off_again"] = page.evaluate(STATE_JS)
+    return report
+
+
+@pytest.fixture(scope="module", params=["light", "dark"])
+def switched(build, request):
+    _, _, out = build
+    html_dir = out / "html"
+    return sb.visit_pages(html_dir, chapter_pages(html_dir), visit_switch,
+                          color_scheme=request.param)
+
+
+def test_the_core_path_switch_hides_and_shows_the_deeper_sections(switched):
+    problems = []
+    for page, r in switched.items():
+        if not r["off"]["besideTheme"]:
+            problems.append(f"{page}: the switch is not beside the theme switch")
+        if r["off"]["mode"] != "off" or r["off"]["pressed"] != "false" or not all(
+                r["off"]["deeperShown"]):
+            problems.append(f"{page}: off at first, every section shown: {r['off']}")
+        for state in ("on", "printed", "reloaded"):
+            s = r[state]
+            if s["mode"] != "on" or any(s["deeperShown"]) or any(s["entriesShown"]) or (
+                    state != "printed" and s["pressed"] != "true"):
+                problems.append(f"{page}: {state}: {s}")
+        if not re.search(r"deeper sections? hidden", r["on"]["status"]):
+            problems.append(f"{page}: nothing announced: {r['on']['status']!r}")
+        if r["off_again"]["mode"] != "off" or not all(r["off_again"]["deeperShown"]):
+            problems.append(f"{page}: off again: {r['off_again']}")
+    assert not problems, "\n".join(problems)
