@@ -42,10 +42,12 @@ book: $(STAMP)
 notebooks: book
 	cp _build/notebooks/chapters/*.ipynb chapters/
 
-# The whole book as one PDF, _build/pdf/book.pdf: every page printed from the built site by the
+# The book as two PDFs: the whole book, _build/pdf/book.pdf, and the core path (every deeper
+# section left out), _build/pdf/book-core.pdf: every page printed from the built site by the
 # site tests' Chromium, with a title page, contents, page numbers and bookmarks (tools/pdf.py).
 pdf: book browser
 	$(BIN)/python tools/pdf.py _build/html _build/pdf/book.pdf
+	$(BIN)/python tools/pdf.py _build/html _build/pdf/book-core.pdf --core
 
 # One notebook per chapter for students, in _build/student/: solutions out, stubs and checks in.
 student: $(STAMP)

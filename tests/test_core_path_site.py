@@ -204,3 +204,37 @@ def test_the_core_path_switch_hides_and_shows_the_deeper_sections(switched):
         if r["off_again"]["mode"] != "off" or not all(r["off_again"]["deeperShown"]):
             problems.append(f"{page}: off again: {r['off_again']}")
     assert not problems, "\n".join(problems)
+
+
+def test_the_core_path_prints_as_a_book_without_its_deeper_sections(build, tmp_path):
+    """`make pdf` also writes the core path: the same pages with the switch on, so that no
+    deeper section's heading is printed while every core section's is."""
+    import pdf
+    from pypdf import PdfReader
+
+    _, _, out = build
+    html_dir = out / "html"
+    target = tmp_path / "book-core.pdf"
+    pdf.print_book(html_dir, target, core=True)
+    text = "".join("".join(page.extract_text().split()) for page in PdfReader(target).pages)
+    squeeze = lambda s: "".join(s.split())  # noqa: E731 - the PDF's text loses its spaces
+    printed_deeper, missing_core = [], []
+    for page in chapter_pages(html_dir):
+        for section in article(html_dir, page).select("section > section"):
+            heading = section.find(re.compile(r"h\d"), recursive=False)
+            if heading is None:
+                continue
+            for junk in heading.select("a.headerlink, span.deeper-badge, span.section-number"):
+                junk.decompose()
+            words = squeeze(heading.get_text())
+            if len(words) < 12 or section.get("id") in {"exercises", "further-reading"}:
+                continue  # too short to be told apart from the text around it
+            deeper = section.find_parent("section", class_="deeper") or "deeper" in (
+                section.get("class") or [])
+            if deeper and words in text:
+                printed_deeper.append(f"{page}: {heading.get_text(strip=True)}")
+            elif not deeper and words not in text:
+                missing_core.append(f"{page}: {heading.get_text(strip=True)}")
+    assert not printed_deeper, "deeper sections in the core path's PDF:\n" + "\n".join(printed_deeper)
+    assert not missing_core, "core sections missing from it:\n" + "\n".join(missing_core)
+    assert "Attention,Computed:thecorepath" in text[:2000]

@@ -1,6 +1,10 @@
 """The whole book as one PDF, printed from the built HTML site by Chromium (`make pdf`).
 
-    python tools/pdf.py [HTML_DIR] [OUT_PDF]      defaults: _build/html, _build/pdf/book.pdf
+    python tools/pdf.py [HTML_DIR] [OUT_PDF] [--core]
+                          defaults: _build/html, _build/pdf/book.pdf (book-core.pdf with --core)
+
+With --core it prints the core path: the pages as a reader sees them with the "Core path"
+switch on (_static/core-path.js), every deeper section left out.
 
 Every page of _toc.yml, in reading order, is opened offline in the Chromium the site tests use
 (tools/site_browser.py), its math typeset by the MathJax the site ships, and printed with the
@@ -76,8 +80,12 @@ def _page_numbers(page, count: int, first: int) -> bytes:
     return page.pdf(format="A4", margin={"top": "0", "bottom": "0", "left": "0", "right": "0"})
 
 
-def print_book(html_dir: pathlib.Path, out: pathlib.Path) -> dict:
-    """Print every page of the book into one PDF at `out`; {page: (title, first page)}."""
+CORE_PATH_KEY = "attention-computed:core-path"  # where _static/core-path.js keeps the switch
+
+
+def print_book(html_dir: pathlib.Path, out: pathlib.Path, core: bool = False) -> dict:
+    """Print every page of the book into one PDF at `out`; {page: (title, first page)}. With
+    `core`, the core path: the switch on, every deeper section hidden."""
     from playwright.sync_api import sync_playwright
     from pypdf import PdfReader, PdfWriter
 
@@ -89,6 +97,9 @@ def print_book(html_dir: pathlib.Path, out: pathlib.Path) -> dict:
     with sb.serve(html_dir) as base, sync_playwright() as playwright:
         browser = sb.launch(playwright)
         context = browser.new_context(viewport=sb.DESKTOP)
+        context.add_init_script(  # the switch as a reader left it, before any page script runs
+            f"localStorage.setItem({CORE_PATH_KEY!r}, {'on' if core else 'off'!r})")
+        book_title = "Attention, Computed" + (": the core path" if core else "")
         for path in pages:
             page, external = sb.offline_page(context)
             if not sb.open_page(page, base + path) and sb.page_has_math(html_dir / path):
@@ -108,12 +119,12 @@ def print_book(html_dir: pathlib.Path, out: pathlib.Path) -> dict:
         titles = [title for title, _ in printed.values()]
         lengths = [len(PdfReader(io.BytesIO(pdf)).pages) for _, pdf in printed.values()]
         front_length = len(PdfReader(io.BytesIO(
-            _front_matter(blank, "Attention, Computed", [(t, 0) for t in titles]))).pages)
+            _front_matter(blank, book_title, [(t, 0) for t in titles]))).pages)
         starts, next_page = [], front_length + 1
         for length in lengths:
             starts.append(next_page)
             next_page += length
-        front = _front_matter(blank, "Attention, Computed", list(zip(titles, starts)))
+        front = _front_matter(blank, book_title, list(zip(titles, starts)))
         stamps = PdfReader(io.BytesIO(_page_numbers(blank, next_page - 1 - front_length,
                                                     front_length + 1)))
         browser.close()
@@ -126,17 +137,17 @@ def print_book(html_dir: pathlib.Path, out: pathlib.Path) -> dict:
         for chapter_page in reader.pages:
             writer.add_page(chapter_page).merge_page(next(stamp))
         writer.add_outline_item(title=title, page_number=start - 1)
-    writer.add_metadata({"/Title": "Attention, Computed"})
+    writer.add_metadata({"/Title": book_title})
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("wb") as handle:
         writer.write(handle)
     return {path: (title, start) for (path, (title, _)), start in zip(printed.items(), starts)}
 
 
-def main(html_dir: pathlib.Path, out: pathlib.Path) -> int:
+def main(html_dir: pathlib.Path, out: pathlib.Path, core: bool = False) -> int:
     started = time.perf_counter()
     try:
-        contents = print_book(html_dir, out)
+        contents = print_book(html_dir, out, core=core)
     except RuntimeError as err:  # no Chromium: the message names the fix
         print(err, file=sys.stderr)
         return 1
@@ -147,6 +158,8 @@ def main(html_dir: pathlib.Path, out: pathlib.Path) -> int:
 
 
 if __name__ == "__main__":
-    args = [pathlib.Path(a) for a in sys.argv[1:3]]
+    core = "--core" in sys.argv[1:]
+    args = [pathlib.Path(a) for a in sys.argv[1:] if a != "--core"][:2]
+    default = ROOT / "_build" / "pdf" / ("book-core.pdf" if core else "book.pdf")
     sys.exit(main(args[0] if args else ROOT / "_build" / "html",
-                  args[1] if len(args) > 1 else ROOT / "_build" / "pdf" / "book.pdf"))
+                  args[1] if len(args) > 1 else default, core=core))
