@@ -399,7 +399,20 @@ def write_notebooks(app, exception) -> None:
         plain.write_text(dumps(strip_outputs(notebook)))
 
 
+def drop_launch_without_notebook(app, pagename, templatename, context, doctree) -> None:
+    """sphinx-book-theme gives every executed page Colab and Binder buttons, pointing to the
+    page's .ipynb when one sits beside its source and to the .md otherwise, which Colab cannot
+    open. Only the chapters have notebooks (written here, committed by `make notebooks`): an
+    executed page without one (the appendix) keeps its download button and loses the launch
+    buttons."""
+    buttons = context.get("header_buttons")
+    source = Path(app.srcdir, pagename + ".ipynb")
+    if buttons and not source.exists():
+        buttons[:] = [b for b in buttons if b.get("label") != "launch-buttons"]
+
+
 def setup(app):
     app.connect("env-before-read-docs", count_reads)
     app.connect("build-finished", write_notebooks)
+    app.connect("html-page-context", drop_launch_without_notebook, priority=502)
     return {"parallel_read_safe": True, "parallel_write_safe": True}

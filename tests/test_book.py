@@ -127,6 +127,20 @@ def test_launch_and_download_buttons_give_the_notebooks(build):
         assert outputs and all(o.output_type != "error" for o in outputs)
 
 
+def test_every_launch_button_opens_a_committed_notebook(build):
+    """A Colab or Binder button opens a notebook of the repository: on a page without one
+    (the appendix runs cells but has no notebook) there is no launch button at all."""
+    _, _, out = build
+    root = pathlib.Path(__file__).resolve().parents[1]
+    found = []
+    for page in (out / "html").rglob("*.html"):
+        for target in re.findall(r'href="https://(?:colab\.research\.google\.com/github|mybinder'
+                                 r'\.org/v2/gh)/[^"]*?(chapters/[\w-]+\.\w+)"', page.read_text()):
+            found.append(target)
+            assert target.endswith(".ipynb") and (root / target).is_file(), (page.name, target)
+    assert found
+
+
 def test_the_build_executes_the_setup_cell_first(build):
     """No source holds the setup cell (tests/test_chapters.py); the build inserts it
     (_ext/chapter_setup.py) and executes it before any cell of the chapter, and the page shows
