@@ -688,7 +688,8 @@ def test_course_commands_explain_a_missing_assignment(tmp_path):
 def test_instructors_table_lists_every_exercise_with_its_points():
     """The exercise table of chapters/instructors.md: one row per exercise, in book order, with
     its title, how it is graded and the points `make assignments` gives it."""
-    rows = re.findall(r"^\| (\d+\.\d+) \| (.+?) \| (\w+), (auto|by hand) \| (\d+) \| (\d+) \|",
+    rows = re.findall(r"^\| (\d+\.\d+) \| (.+?) \| (\w+), (auto|by hand) \| (\d+) \| (\d+) \| "
+                      r"(?:core|deeper) \|",
                       (ROOT / "chapters" / "instructors.md").read_text(), re.M)
     expected = []
     for path in NOTEBOOKS:
@@ -764,3 +765,24 @@ def test_student_folder_runs_offline(student, tmp_path):
                    resources={"metadata": {"path": str(folder)}}).execute(
         env={**os.environ, "PYTHONPATH": "", "ATTENTION_PY_URL": nowhere})
     assert sorted(p.name for p in folder.glob("*.py")) == sorted(classroom.CODE_FILES)
+
+
+def test_the_one_week_plan_leaves_out_the_deeper_exercises_and_nothing_else(tmp_path):
+    """The one-week plan of chapters/instructors.md is a course.yml that `make assignments`
+    accepts, and it leaves out exactly the deeper exercises of its chapters (the path column of
+    the exercise table)."""
+    import yaml
+
+    text = (ROOT / "chapters" / "instructors.md").read_text()
+    block = re.search(r"\*\*One week.*?```yaml\n(.*?)```", text, re.S).group(1)
+    plan = yaml.safe_load(block)
+    path = dict(re.findall(r"^\| (\d+\.\d+) \| .+? \| \w+, (?:auto|by hand) \| \d+ \| \d+ \| "
+                           r"(core|deeper) \|", text, re.M))
+    chapters = [name for a in plan["assignments"].values() for name in a["chapters"]]
+    numbers = {str(int(name[:2])) for name in chapters}
+    left_out = {n for a in plan["assignments"].values() for n in a.get("leave_out", [])}
+    deeper = {n for n, p in path.items() if p == "deeper" and n.split(".")[0] in numbers}
+    assert left_out == deeper
+    (tmp_path / classroom.COURSE_PLAN).write_text(block)
+    accepted = classroom.course_plan(tmp_path, [p.stem for p in classroom.numbered_chapters()])
+    assert list(accepted) == list(plan["assignments"])

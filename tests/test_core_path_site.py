@@ -238,3 +238,36 @@ def test_the_core_path_prints_as_a_book_without_its_deeper_sections(build, tmp_p
     assert not printed_deeper, "deeper sections in the core path's PDF:\n" + "\n".join(printed_deeper)
     assert not missing_core, "core sections missing from it:\n" + "\n".join(missing_core)
     assert "Attention,Computed:thecorepath" in text[:2000]
+
+
+def test_core_exercises_link_no_deeper_section(build):
+    """An exercise marked core on the instructors' page can be done from the core path: its
+    statement links no deeper section of any chapter."""
+    _, _, out = build
+    html_dir = out / "html"
+    table = (pathlib.Path(__file__).resolve().parents[1] / "chapters" / "instructors.md").read_text()
+    path = dict(re.findall(r"^\| (\d+\.\d+) \| .+? \| \w+, (?:auto|by hand) \| \d+ \| \d+ \| "
+                           r"(core|deeper) \|", table, re.M))
+    pages = chapter_pages(html_dir)
+    deeper_ids = {page: {el["id"] for section in article(html_dir, page).select("section.deeper")
+                         for el in [section, *section.select("[id]")]} for page in pages}
+    problems, seen = [], set()
+    for page in pages:
+        for exercise in article(html_dir, page).select("div.exercise"):
+            title = exercise.select_one(".admonition-title")
+            number = re.search(r"Exercise (\d+\.\d+)", title.get_text(" ") if title else "")
+            if not number:
+                continue
+            seen.add(number.group(1))
+            if path.get(number.group(1)) != "core":
+                continue
+            for link in exercise.select("a[href]"):
+                parts = urllib.parse.urlsplit(link["href"])
+                if parts.scheme or not parts.fragment:
+                    continue
+                target = page if not parts.path else posixpath.normpath(
+                    posixpath.join(posixpath.dirname(page), parts.path))
+                if urllib.parse.unquote(parts.fragment) in deeper_ids.get(target, ()):
+                    problems.append(f"core exercise {number.group(1)} links {link['href']}")
+    assert seen == set(path), f"exercises on the pages {sorted(seen)} and in the table differ"
+    assert not problems, "\n".join(problems)
