@@ -19,7 +19,9 @@
 
   // Mark the contents' entries (and their sub-entries) that lead into a deeper section.
   const markEntries = () => {
-    for (const link of document.querySelectorAll(".bd-toc a[href^='#'], .bd-sidebar-secondary a[href^='#']")) {
+    // The contents beside the page, and the one the theme prints above it (#jb-print-toc).
+    for (const link of document.querySelectorAll(
+        ".bd-toc a[href^='#'], .bd-sidebar-secondary a[href^='#'], #jb-print-toc a[href^='#']")) {
       const target = document.getElementById(decodeURIComponent(link.hash.slice(1)));
       if (target && target.closest("section.deeper")) link.closest("li")?.classList.add("deeper-entry");
     }
@@ -52,6 +54,7 @@
     const button = document.createElement("button");
     button.type = "button";
     button.className = "btn btn-sm core-path-button";
+    button.setAttribute("aria-label", "Core path");  // its words are hidden on a phone
     button.innerHTML = '<span class="fa-solid fa-route" aria-hidden="true"></span>' +
                        '<span class="core-path-label">Core path</span>';
     const live = document.createElement("span");
