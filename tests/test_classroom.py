@@ -479,17 +479,19 @@ def comparable(outputs) -> list:
     for output in outputs:
         kind = output["output_type"]
         if kind == "stream":
+            # When a cell's prints reach the build in two messages, myst-nb's coalesce_streams
+            # (myst_nb/core/utils.py) appends the second to the first *in place*, each
+            # rstripped and ended with "\n", and leaves the second in the list it writes to
+            # jupyter_execute: the tail appears twice, and a print that began a line gets a
+            # blank line before it. So blank lines are left out, and a message that only
+            # repeats what the stream already ends with is skipped, on both sides.
+            text = re.sub(r"\n{2,}", "\n", output["text"])
             if seen and seen[-1][0] == "stream" and seen[-1][1] == output["name"]:
-                # Under load the kernel has been seen to send the tail of a stream a second
-                # time as a message of its own (twice in this suite's runs: a check's report's
-                # last lines, and the "\n" of a print). The cell printed it once; a separate
-                # message that only repeats what the stream already ends with is left out, on
-                # both sides of the comparison.
-                if seen[-1][2].endswith(output["text"]):
+                if seen[-1][2].endswith(text):
                     continue
-                seen[-1] = ("stream", output["name"], seen[-1][2] + output["text"])
+                seen[-1] = ("stream", output["name"], seen[-1][2] + text)
             else:
-                seen.append(("stream", output["name"], output["text"]))
+                seen.append(("stream", output["name"], text))
         elif kind == "error":
             seen.append(("error", output["ename"], output["evalue"]))
         elif (spec := explorable_spec(output.get("data", {}).get("text/html", ""))) is not None:
