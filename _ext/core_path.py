@@ -63,11 +63,12 @@ def count_words(doctree: nodes.Node) -> tuple[int, int]:
             whole += n
             core += 0 if deeper else n
             return
+        if isinstance(node, nodes.math):  # an inline formula reads as one word
+            whole += 1
+            core += 0 if deeper else 1
+            return
         if isinstance(node, nodes.Element):
-            if _skipped(node) or isinstance(node, nodes.math):
-                if isinstance(node, nodes.math):  # an inline formula reads as one word
-                    whole += 1
-                    core += 0 if deeper else 1
+            if _skipped(node):
                 return
             if isinstance(node, nodes.section) and node.get("ids") and "exercises" in node["ids"]:
                 return  # the Exercises section: statements and solutions, not counted

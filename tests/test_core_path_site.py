@@ -99,31 +99,41 @@ def test_every_chapter_marks_its_depth_after_its_core(build):
     assert not problems, "\n".join(problems)
 
 
+def deeper_ids(html_dir: pathlib.Path, pages: list[str]) -> dict[str, set[str]]:
+    """{page: the ids of its deeper sections and of everything inside them}."""
+    return {page: {el["id"] for section in article(html_dir, page).select("section.deeper")
+                   for el in [section, *section.select("[id]")]} for page in pages}
+
+
+def links_into_deeper(page: str, links, deeper: dict[str, set[str]]) -> list:
+    """The links (from `page`) whose target lies inside a deeper section of the book."""
+    found = []
+    for link in links:
+        parts = urllib.parse.urlsplit(link["href"])
+        if parts.scheme or not parts.fragment:
+            continue
+        target = page if not parts.path else posixpath.normpath(
+            posixpath.join(posixpath.dirname(page), parts.path))
+        if urllib.parse.unquote(parts.fragment) in deeper.get(target, ()):
+            found.append(link)
+    return found
+
+
 def test_no_core_section_links_to_a_deeper_one(build):
     """The core reads on its own: nothing outside the deeper sections (and the exercises,
     which are marked core or deeper on the instructors' page) links into a deeper section."""
     _, _, out = build
     html_dir = out / "html"
     pages = chapter_pages(html_dir)
-    deeper_ids = {}
-    for page in pages:
-        deeper_ids[page] = {el["id"] for section in article(html_dir, page).select("section.deeper")
-                            for el in [section, *section.select("[id]")]}
+    deeper = deeper_ids(html_dir, pages)
     problems = []
     for page in pages + ["chapters/intro.html", "chapters/notation.html"]:
-        body = article(html_dir, page)
-        for link in body.select("a[href]"):
-            if link.find_parent("section", class_="deeper") or link.find_parent(
-                    "section", id="exercises"):
-                continue
-            parts = urllib.parse.urlsplit(link["href"])
-            if parts.scheme or not parts.fragment:
-                continue
-            target = page if not parts.path else posixpath.normpath(
-                posixpath.join(posixpath.dirname(page), parts.path))
-            if urllib.parse.unquote(parts.fragment) in deeper_ids.get(target, ()):
-                problems.append(f"{page}: core text links to {link['href']} "
-                                f"({link.get_text(' ', strip=True)[:40]!r})")
+        core_links = [link for link in article(html_dir, page).select("a[href]")
+                      if not link.find_parent("section", class_="deeper")
+                      and not link.find_parent("section", id="exercises")]
+        problems += [f"{page}: core text links to {link['href']} "
+                     f"({link.get_text(' ', strip=True)[:40]!r})"
+                     for link in links_into_deeper(page, core_links, deeper)]
     assert not problems, "\n".join(problems)
 
 
@@ -255,8 +265,7 @@ def test_core_exercises_link_no_deeper_section(build):
     path = dict(re.findall(r"^\| (\d+\.\d+) \| .+? \| \w+, (?:auto|by hand) \| \d+ \| \d+ \| "
                            r"(core|deeper) \|", table, re.M))
     pages = chapter_pages(html_dir)
-    deeper_ids = {page: {el["id"] for section in article(html_dir, page).select("section.deeper")
-                         for el in [section, *section.select("[id]")]} for page in pages}
+    deeper = deeper_ids(html_dir, pages)
     problems, seen = [], set()
     for page in pages:
         for exercise in article(html_dir, page).select("div.exercise"):
@@ -267,13 +276,7 @@ def test_core_exercises_link_no_deeper_section(build):
             seen.add(number.group(1))
             if path.get(number.group(1)) != "core":
                 continue
-            for link in exercise.select("a[href]"):
-                parts = urllib.parse.urlsplit(link["href"])
-                if parts.scheme or not parts.fragment:
-                    continue
-                target = page if not parts.path else posixpath.normpath(
-                    posixpath.join(posixpath.dirname(page), parts.path))
-                if urllib.parse.unquote(parts.fragment) in deeper_ids.get(target, ()):
-                    problems.append(f"core exercise {number.group(1)} links {link['href']}")
+            problems += [f"core exercise {number.group(1)} links {link['href']}"
+                         for link in links_into_deeper(page, exercise.select("a[href]"), deeper)]
     assert seen == set(path), f"exercises on the pages {sorted(seen)} and in the table differ"
     assert not problems, "\n".join(problems)
