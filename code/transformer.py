@@ -25,7 +25,7 @@ from torch.nn import functional as F
 
 from attention import KVCache, MultiHeadAttention
 
-__all__ = ["TransformerBlock", "ACTIVATIONS"]
+__all__ = ["TransformerBlock", "DecoderLM", "ACTIVATIONS"]
 
 # The MLP's nonlinearity. "swiglu" is a gated unit (Shazeer 2020): the first linear layer
 # gives 2 * d_ff features, a gate g and a value u, and the MLP keeps silu(g) * u.
@@ -156,3 +156,67 @@ def _activation_name(activation) -> str:
         return "gelu"
     raise ValueError(f"from_torch copies layers whose activation is ReLU or the exact GELU; "
                      f"got {activation!r}")
+
+
+class DecoderLM(nn.Module):
+    """A decoder-only language model: token embedding plus a learned position embedding, a
+    stack of ``num_layers`` causal ``TransformerBlock``s, a final layer norm when the blocks
+    are pre-LN (post-LN blocks end on a norm already, as in GPT-2 against the 2017 paper), and
+    a linear map to the vocabulary, whose weight is the embedding's with ``tie_weights``.
+
+    ``forward(tokens)`` takes ``(B, T)`` integer tokens and returns ``(B, T, vocab_size)``
+    logits, row t predicting token t + 1. With ``caches`` (one ``KVCache`` per block, from
+    ``new_caches()``) it decodes: ``tokens`` are the new positions only, placed after the
+    ``caches[0].seen`` already processed.
+    """
+
+    def __init__(
+        self, vocab_size: int, max_len: int, d_model: int, num_heads: int, d_ff: int,
+        num_layers: int, *, norm_first: bool = True, activation: str = "gelu",
+        dropout: float = 0.0, tie_weights: bool = False, device=None, dtype=None,
+    ):
+        super().__init__()
+        for name, value in (("vocab_size", vocab_size), ("max_len", max_len),
+                            ("num_layers", num_layers)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        place = {"device": device, "dtype": dtype}
+        self.vocab_size, self.max_len, self.norm_first = vocab_size, max_len, norm_first
+        self.embed = nn.Embedding(vocab_size, d_model, **place)
+        self.position = nn.Embedding(max_len, d_model, **place)
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(
+            TransformerBlock(d_model, num_heads, d_ff, norm_first=norm_first,
+                             activation=activation, dropout=dropout, **place)
+            for _ in range(num_layers))
+        self.final_norm = nn.LayerNorm(d_model, **place) if norm_first else nn.Identity()
+        self.unembed = nn.Linear(d_model, vocab_size, bias=False, **place)
+        if tie_weights:
+            self.unembed.weight = self.embed.weight
+
+    def new_caches(self) -> list[KVCache]:
+        """One empty key-value cache per block, for ``forward(..., caches=...)``."""
+        return [KVCache() for _ in self.blocks]
+
+    def forward(self, tokens: Tensor, *, caches: Optional[list[KVCache]] = None) -> Tensor:
+        if (not isinstance(tokens, Tensor) or tokens.dim() != 2
+                or tokens.dtype not in (torch.int64, torch.int32)):
+            shape = (tuple(tokens.shape), tokens.dtype) if isinstance(tokens, Tensor) else (
+                type(tokens).__name__)
+            raise ValueError(f"DecoderLM expects integer tokens of shape (B, T); got {shape}")
+        if caches is not None and len(caches) != len(self.blocks):
+            raise ValueError(f"caches must hold one KVCache per block ({len(self.blocks)}), "
+                             f"got {len(caches)}")
+        start = 0 if caches is None else caches[0].seen
+        T = tokens.shape[1]
+        if start + T > self.max_len:
+            raise ValueError(f"positions {start}..{start + T - 1} of tokens {tuple(tokens.shape)}"
+                             f" go past max_len={self.max_len}")
+        if T and (int(tokens.min()) < 0 or int(tokens.max()) >= self.vocab_size):
+            raise ValueError(f"tokens must lie in [0, {self.vocab_size}); got values from "
+                             f"{int(tokens.min())} to {int(tokens.max())}")
+        where = torch.arange(start, start + T, device=tokens.device)
+        x = self.drop(self.embed(tokens) + self.position(where))  # (B, T, d_model)
+        for i, block in enumerate(self.blocks):
+            x = block(x, is_causal=True, cache=None if caches is None else caches[i])
+        return self.unembed(self.final_norm(x))  # (B, T, vocab_size)

@@ -48,7 +48,8 @@ import checking
 import position
 from chapter_structure import read_source
 from classroom import numbered_chapters
-from test_exercises import (C1, C2, C2b, C3, C4, C5, C5b, C6, C7, C8, C9, C10, CG, CHECK_NAMES,
+from test_exercises import (C1, C2, C2b, C3, C4, C5, C5b, C6, C7, C8, C9, C10, C11, CG,
+                            CHECK_NAMES,
                             REFERENCES, graded_points, load_check, reference_functions)
 
 torch.set_num_threads(1)
@@ -555,6 +556,34 @@ for _name, _lse2 in {
     add(C10, 1, _name, NOTHING, FORBIDDEN, merge_partials=_merge_by(_lse2))
 for _name, _lse2 in captured(torch.logaddexp, "torch.logaddexp").items():
     add(C10, 2, _name, NOTHING, FORBIDDEN, merge_partials=_merge_by(_lse2))
+
+
+# Chapter 11, layer norm: PyTorch's normalisations reached by other routes.
+def _ln_by(norm):
+    """A right layer norm whose normalising step is norm(rows, eps), rows (N, D)."""
+    def layer_norm(x, gain, shift, eps=1e-5):
+        rows = x.reshape(-1, x.shape[-1])
+        return norm(rows, eps).reshape(x.shape) * gain + shift
+    return layer_norm
+
+
+LN_ALIASES = {  # class 1
+    "torch.ops.aten.native_layer_norm": lambda rows, eps: torch.ops.aten.native_layer_norm(
+        rows, [rows.shape[-1]], None, None, eps)[0],
+    "torch.layer_norm": lambda rows, eps: torch.layer_norm(rows, [rows.shape[-1]], eps=eps),
+    "F.instance_norm of the rows as one-channel signals": lambda rows, eps: F.instance_norm(
+        rows[:, None, :], eps=eps)[:, 0],
+    "torch.nn.GroupNorm with one group": lambda rows, eps: torch.nn.GroupNorm(
+        1, 1, eps=eps, affine=False, dtype=rows.dtype)(rows[:, None, :])[:, 0],
+}
+for _name, _norm in LN_ALIASES.items():
+    add(C11, 1, _name, NOTHING, FORBIDDEN, layer_norm=_ln_by(_norm))
+for _name, _fn in captured(lambda rows, eps: F.layer_norm(rows, rows.shape[-1:], eps=eps),
+                           "F.layer_norm").items():
+    add(C11, 2, _name, NOTHING, FORBIDDEN, layer_norm=_ln_by(_fn))
+for _name, _fn in captured(F.layer_norm, "F.layer_norm itself").items():
+    add(C11, 2, _name, NOTHING, FORBIDDEN,
+        layer_norm=_ln_by((lambda f: lambda rows, eps: f(rows, rows.shape[-1:], eps=eps))(_fn)))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -32,6 +32,7 @@ import attention
 import checking
 import flash
 import position
+import transformer
 from attention import causal_mask, padding_mask, scaled_dot_product_attention, softmax
 from chapter_structure import (SOLUTION, CodeCell, check_calls, imported_checks, read_source,
                                stub_code)
@@ -43,7 +44,7 @@ NOT_WRITTEN = "{} is not written yet: replace `raise NotImplementedError()` with
 
 # What a solution cell may use without importing it: the chapters' own imports.
 SOLUTION_GLOBALS = {"torch": torch, "math": math, "F": F,
-                    **{name: getattr(module, name) for module in (attention, position, flash)
+                    **{name: getattr(module, name) for module in (attention, position, flash, transformer)
                        for name in module.__all__}}
 
 
@@ -159,6 +160,11 @@ RULE_OF_CALL = {
     "attention.MultiHeadAttention.split_heads": "the module's MultiHeadAttention.split_heads",
     "attention.MultiHeadAttention.merge_heads": "the module's MultiHeadAttention.merge_heads",
     "position.rotary_embedding": "the module's rotary_embedding",
+    "transformer.TransformerBlock": "the module's TransformerBlock",
+    "torch.nn.functional.layer_norm": "a ready-made normalisation",
+    "torch.nn.LayerNorm": "a ready-made normalisation",
+    "torch.nn.functional.group_norm": "a ready-made normalisation",
+    "torch.nn.functional.batch_norm": "a ready-made normalisation",
     "torch.softmax": "a ready-made softmax", "torch.Tensor.softmax": "a ready-made softmax",
     "torch.nn.functional.softmax": "a ready-made softmax",
     "torch.special.softmax": "a ready-made softmax",
@@ -1769,6 +1775,142 @@ def merge_by_cases(m1, ell1, y1, m2, ell2, y2):
     keep = first_larger[..., None]
     y_big, y_small = torch.where(keep, y1, y2), torch.where(keep, y2, y1)
     return big, ell_big + factor * ell_small, y_big + factor[..., None] * y_small
+
+
+# --- chapter 11: check_layer_norm(fn) ------------------------------------------------------
+
+C11 = "check_layer_norm"
+
+
+def _ln(x, gain, shift, eps, var=None, centre=True, inside=True):
+    """A layer norm over the last axis with one thing changed, for the wrong answers."""
+    mean = x.mean(-1, keepdim=True) if centre else torch.zeros_like(x[..., :1])
+    var = ((x - mean) ** 2).mean(-1, keepdim=True) if var is None else var
+    spread = torch.sqrt(var + eps) if inside else torch.sqrt(var) + eps
+    return (x - mean) / spread * gain + shift
+
+
+@wrong(C11, "the variance divides by D - 1")
+def ln_unbiased(x, gain, shift, eps=1e-5):
+    return _ln(x, gain, shift, eps, var=x.var(-1, keepdim=True))
+
+
+@wrong(C11, "eps is added to the standard deviation")
+def ln_eps_outside(x, gain, shift, eps=1e-5):
+    return _ln(x, gain, shift, eps, inside=False)
+
+
+@wrong(C11, "the mean is not subtracted (that is RMSNorm")
+def ln_rms(x, gain, shift, eps=1e-5):
+    return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps) * gain + shift
+
+
+@wrong(C11, "gain and shift are not applied")
+def ln_no_affine(x, gain, shift, eps=1e-5):
+    return _ln(x, torch.ones_like(gain), torch.zeros_like(shift), eps)
+
+
+@wrong(C11, "gain and shift are swapped")
+def ln_swapped_affine(x, gain, shift, eps=1e-5):
+    return _ln(x, shift, gain, eps)
+
+
+@wrong(C11, "normalised over the first axis (the batch)")
+def ln_over_batch(x, gain, shift, eps=1e-5):
+    mean = x.mean(0, keepdim=True)
+    var = ((x - mean) ** 2).mean(0, keepdim=True)
+    return (x - mean) / torch.sqrt(var + eps) * gain + shift
+
+
+@wrong(C11, "normalised over every entry at once")
+def ln_over_everything(x, gain, shift, eps=1e-5):
+    mean = x.mean()
+    return (x - mean) / torch.sqrt(((x - mean) ** 2).mean() + eps) * gain + shift
+
+
+@wrong(C11, "cancel in float32")
+def ln_naive_variance(x, gain, shift, eps=1e-5):
+    mean = x.mean(-1, keepdim=True)
+    return _ln(x, gain, shift, eps, var=x.pow(2).mean(-1, keepdim=True) - mean ** 2)
+
+
+@wrong(C11, "the eps argument is ignored")
+def ln_fixed_eps(x, gain, shift, eps=1e-5):
+    return _ln(x, gain, shift, 1e-5)
+
+
+@wrong(C11, "divided by the variance")
+def ln_divides_by_variance(x, gain, shift, eps=1e-5):
+    mean = x.mean(-1, keepdim=True)
+    return (x - mean) / (((x - mean) ** 2).mean(-1, keepdim=True) + eps) * gain + shift
+
+
+@shortcut(C11, "torch.nn.functional.layer_norm")
+def ln_functional(x, gain, shift, eps=1e-5):
+    return F.layer_norm(x, x.shape[-1:], gain, shift, eps)
+
+
+@shortcut(C11, "torch.nn.LayerNorm")
+def ln_module(x, gain, shift, eps=1e-5):
+    norm = torch.nn.LayerNorm(x.shape[-1], eps=eps, dtype=x.dtype)
+    with torch.no_grad():
+        norm.weight.copy_(gain)
+        norm.bias.copy_(shift)
+    return norm(x)
+
+
+@shortcut(C11, "torch.nn.functional.group_norm")
+def ln_group_norm(x, gain, shift, eps=1e-5):
+    """GroupNorm with one group over (N, C = D): a layer norm of each row."""
+    rows = x.reshape(-1, 1, x.shape[-1])  # (N, 1 channel, D)
+    out = F.group_norm(rows, 1, eps=eps).reshape(x.shape)
+    return out * gain + shift
+
+
+@shortcut(C11, "torch.nn.functional.batch_norm")
+def ln_batch_norm(x, gain, shift, eps=1e-5):
+    """Batch norm of the transposed rows: every position is a channel."""
+    rows = x.reshape(-1, x.shape[-1])  # (N, D)
+    out = F.batch_norm(rows.T, None, None, training=True, eps=eps).T
+    return out.reshape(x.shape) * gain + shift
+
+
+@shortcut(C11, "transformer.TransformerBlock")
+def ln_from_the_block(x, gain, shift, eps=1e-5):
+    """A post-LN block of the book with its branches zeroed: LN2(LN1(x)), nearly LN(x)."""
+    D = x.shape[-1]
+    block = transformer.TransformerBlock(D, 1, 1, norm_first=False, layer_norm_eps=eps,
+                                         dtype=x.dtype)
+    with torch.no_grad():
+        for p in (*block.self_attn.parameters(), *block.linear1.parameters(),
+                  *block.linear2.parameters()):
+            p.zero_()
+        block.norm2.weight.copy_(gain)
+        block.norm2.bias.copy_(shift)
+        return block(x.reshape(-1, 1, D)).reshape(x.shape)
+
+
+@right(C11)
+def ln_var_mean(x, gain, shift, eps=1e-5):
+    var, mean = torch.var_mean(x, dim=-1, keepdim=True, correction=0)
+    return (x - mean) * torch.rsqrt(var + eps) * gain + shift
+
+
+@right(C11)
+def ln_float64_std(x, gain, shift, eps=1e-5):
+    x64 = x.double()
+    centred = x64 - x64.mean(-1, keepdim=True)
+    return (centred / (centred.pow(2).mean(-1, keepdim=True) + eps).sqrt() * gain.double()
+            + shift.double()).to(x.dtype)
+
+
+@right(C11)
+def ln_einsum(x, gain, shift, eps=1e-5):
+    D = x.shape[-1]
+    centring = torch.eye(D, dtype=x.dtype) - 1.0 / D  # I - 11^T / D
+    centred = x @ centring
+    var = torch.einsum("...d,...d->...", centred, centred)[..., None] / D
+    return centred / torch.sqrt(var + eps) * gain + shift
 
 
 def _run(check, fn):

@@ -191,3 +191,71 @@ def test_same_output_as_pytorchs_fused_inference_path(norm_first, activation):
             theirs = torch.nested.to_padded_tensor(theirs, 0.0, ours.shape)
         keep = allowed[..., None]  # the fast path leaves zeros at padded positions
         torch.testing.assert_close(ours * keep, theirs * keep)
+
+
+# --- DecoderLM ---------------------------------------------------------------------------------
+
+from transformer import DecoderLM  # noqa: E402
+
+
+def small_lm(norm_first=True, tie=False):
+    torch.manual_seed(0)
+    return DecoderLM(11, 12, D, H, FF, 3, norm_first=norm_first, tie_weights=tie,
+                     dtype=torch.float64)
+
+
+@ORDERS
+def test_lm_is_causal_and_equals_its_blocks_by_hand(norm_first):
+    lm = small_lm(norm_first)
+    tokens = torch.randint(11, (2, 9), generator=torch.Generator().manual_seed(1))
+    logits = lm(tokens)
+    assert logits.shape == (2, 9, 11)
+    x = lm.embed.weight[tokens] + lm.position.weight[:9]
+    for block in lm.blocks:
+        x = block(x, attn_mask=causal_mask(9))
+    want = (F.layer_norm(x, (D,), lm.final_norm.weight, lm.final_norm.bias) if norm_first
+            else x) @ lm.unembed.weight.T
+    torch.testing.assert_close(logits, want)
+    changed = tokens.clone()
+    changed[:, 5:] = (changed[:, 5:] + 1) % 11  # a later token changes no earlier prediction
+    torch.testing.assert_close(lm(changed)[:, :5], logits[:, :5])
+    assert not torch.allclose(lm(changed)[:, 5:], logits[:, 5:])
+
+
+@ORDERS
+def test_lm_decoding_with_caches_gives_the_full_computation_for_any_chunking(norm_first):
+    lm = small_lm(norm_first)
+    tokens = torch.randint(11, (2, 12), generator=torch.Generator().manual_seed(2))
+    full = lm(tokens)
+    for cuts in ([0, 5, 12], [0, 1, 2, 3, 7, 11, 12], [0, 12]):
+        caches = lm.new_caches()
+        parts = [lm(tokens[:, a:b], caches=caches) for a, b in zip(cuts, cuts[1:])]
+        torch.testing.assert_close(torch.cat(parts, 1), full)
+
+
+def test_lm_ties_the_unembedding_to_the_embedding():
+    lm = small_lm(tie=True)
+    assert lm.unembed.weight is lm.embed.weight
+    n_untied = sum(p.numel() for p in small_lm().parameters())
+    assert sum(p.numel() for p in lm.parameters()) == n_untied - 11 * D
+
+
+@pytest.mark.parametrize("tokens, message", [
+    (torch.zeros(2, 3, 4, dtype=torch.long), r"\(B, T\); got \(\(2, 3, 4\)"),
+    (torch.zeros(2, 3), r"integer tokens of shape \(B, T\); got \(\(2, 3\), torch.float32"),
+    (torch.zeros(1, 13, dtype=torch.long), r"positions 0..12 of tokens \(1, 13\) go past max_len=12"),
+    (torch.full((1, 3), 11), r"tokens must lie in \[0, 11\); got values from 11 to 11"),
+])
+def test_lm_rejects_bad_tokens_naming_the_shapes(tokens, message):
+    with pytest.raises(ValueError, match=message):
+        small_lm()(tokens)
+
+
+def test_lm_rejects_decoding_past_max_len_and_wrong_caches():
+    lm = small_lm()
+    caches = lm.new_caches()
+    lm(torch.zeros(1, 10, dtype=torch.long), caches=caches)
+    with pytest.raises(ValueError, match=r"positions 10..12 of tokens \(1, 3\) go past max_len"):
+        lm(torch.zeros(1, 3, dtype=torch.long), caches=caches)
+    with pytest.raises(ValueError, match="one KVCache per block \\(3\\), got 2"):
+        lm(torch.zeros(1, 1, dtype=torch.long), caches=caches[:2])
