@@ -820,13 +820,13 @@ def flash_tiles_diagram(q: Tensor, k: Tensor, v: Tensor, *, block_size: Optional
            + ("\nOrange: cut by the diagonal, masked inside.\nHatched: skipped, wholly "
               "above the diagonal." if is_causal else ""), ha="left", va="top")
     xm, w_mem = x0 + 7.5 + 3.3, 5.0  # fast memory, for the current query block
-    items = [(f"queries Q {_named(['r', 'd_k'], (r, d_k))}", "attention"),
+    items = [(f"queries Q {_named(['r', 'd_k'], (r, d_k))}", "linear"),
              (f"running max m {_named(['r'], (r,))}", "norm"),
              (f"running sum ℓ {_named(['r'], (r,))}", "norm"),
              (f"accumulator ỹ {_named(['r', 'd_v'], (r, d_v))}", "norm"),
              (f"one key block at a time:\nkeys {_named(['c', 'd_k'], (c, d_k))}\n"
               f"values {_named(['c', 'd_v'], (c, d_v))}", "mlp"),
-             (f"scores of one tile {_named(['r', 'c'], (r, c))}", "mask")]
+             (f"scores of one tile {_named(['r', 'c'], (r, c))}", "io")]
     y = y0 - 0.9
     for text, kind in items:
         h = 0.3 + 0.32 * (text.count("\n") + 1)
