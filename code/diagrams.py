@@ -270,11 +270,10 @@ def _cell(d: Drawing, x, y, w, h, kind, *, label=None, hatch=None, lw=0.7, size=
     return patch
 
 
-def _arrow(d: Drawing, start, end, label=None, *, side="right", size=SMALL, head=True,
-           offset=0.15):
-    """An arrow from ``start`` to ``end`` (a plain line if not ``head``), its label beside the
-    middle (``side``: right, left, above, below)."""
-    arrow = FancyArrowPatch(start, end, arrowstyle="-|>" if head else "-", mutation_scale=11,
+def _arrow(d: Drawing, start, end, label=None, *, side="right", size=SMALL, offset=0.15):
+    """An arrow from ``start`` to ``end``, its label beside the middle (``side``: right, left,
+    above, below)."""
+    arrow = FancyArrowPatch(start, end, arrowstyle="-|>", mutation_scale=11,
                             linewidth=1.1, color=INK, shrinkA=0, shrinkB=0, zorder=1)
     d.ax.add_patch(arrow)
     d.lines.append(arrow)

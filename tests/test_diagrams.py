@@ -67,7 +67,7 @@ def cached(mha, T, *, window=None, B=1, seed=0):
 def draw_all(ax_for=lambda: None):
     """(name, figure) of each diagram, each drawn into ax_for()."""
     g = gen(1)
-    q, k, v = torch.randn(4, 3, generator=g), torch.randn(6, 3, generator=g), torch.randn(6, 5, generator=g)
+    q, k, v = (torch.randn(n, w, generator=g) for n, w in ((4, 3), (6, 3), (6, 5)))
     mha = MultiHeadAttention(8, 2)
     cache, x_new = cached(MultiHeadAttention(16, 4), 5)
     yield "flow", dg.attention_flow_diagram(q, k, v, ax=ax_for())
@@ -159,7 +159,8 @@ def test_multihead_leaves_the_module_as_it_was():
     before = {name: p.clone() for name, p in mha.named_parameters()}
     x = torch.randn(1, 3, 8, requires_grad=True)
     dg.multihead_diagram(mha, x)
-    assert all(torch.equal(p, before[name]) and p.grad is None for name, p in mha.named_parameters())
+    assert all(torch.equal(p, before[name]) and p.grad is None
+               for name, p in mha.named_parameters())
 
 
 # --- chapter 7: cross-attention and the encoder-decoder stack -------------------------------------
@@ -173,7 +174,8 @@ def test_cross_attention_draws_a_cell_per_entry_and_labels_the_shapes(L, S, d_de
     text = labels(fig)
     for letters, sizes in ((["L", "d_dec"], (L, d_dec)), (["S", "d_enc"], (S, d_enc)),
                            (["L", "d_k"], (L, d_k)), (["d_k", "S"], (d_k, S)),
-                           (["S", "d_v"], (S, d_v)), (["L", "S"], (L, S)), (["L", "d_v"], (L, d_v))):
+                           (["S", "d_v"], (S, d_v)), (["L", "S"], (L, S)),
+                           (["L", "d_v"], (L, d_v))):
         assert named(letters, sizes) in text
     entries = L * d_dec + S * d_enc + L * d_k + d_k * S + S * d_v + L * S + L * d_v
     assert len(dg.drawing(fig).cells) == entries
@@ -207,7 +209,8 @@ def test_encoder_decoder_reads_the_stack_from_the_model(norm_first, n_enc, n_dec
 
 # --- chapter 9: the key-value cache ---------------------------------------------------------------
 
-@pytest.mark.parametrize("D, H, G, T, B", [(32, 4, None, 6, 1), (16, 4, 2, 3, 2), (24, 3, 1, 14, 1)])
+@pytest.mark.parametrize("D, H, G, T, B",
+                         [(32, 4, None, 6, 1), (16, 4, 2, 3, 2), (24, 3, 1, 14, 1)])
 def test_kv_cache_labels_the_cache_before_and_after_the_step(D, H, G, T, B):
     mha = MultiHeadAttention(D, H, num_kv_heads=G)
     cache, x_new = cached(mha, T, B=B)
@@ -244,7 +247,7 @@ def test_kv_cache_with_a_window_greys_the_keys_outside_it():
 @pytest.mark.parametrize("L, S, block_size", [(224, 224, None), (100, 60, 25), (64, 200, 50)])
 def test_flash_tiles_number_the_tiles_in_the_loops_order(L, S, block_size, is_causal):
     g = gen(L)
-    q, k, v = torch.randn(L, 8, generator=g), torch.randn(S, 8, generator=g), torch.randn(S, 4, generator=g)
+    q, k, v = (torch.randn(n, w, generator=g) for n, w in ((L, 8), (S, 8), (S, 4)))
     fig = dg.flash_tiles_diagram(q, k, v, block_size=block_size, is_causal=is_causal)
     b = block_size or inspect.signature(flash_attention).parameters["block_size"].default
     order = visited_tiles(L, S, b, is_causal)
@@ -261,7 +264,8 @@ def test_flash_tiles_number_the_tiles_in_the_loops_order(L, S, block_size, is_ca
     assert len(d.cells) == math.ceil(L / b) * math.ceil(S / b)  # skipped tiles drawn, unnumbered
     text = labels(fig)
     assert f"in {math.ceil(L / b)} blocks of r = {b}" in text and f"S = {S}" in text
-    assert f"queries Q (r, d_k) = ({b}, 8)" in text and f"accumulator ỹ (r, d_v) = ({b}, 4)" in text
+    assert f"queries Q (r, d_k) = ({b}, 8)" in text
+    assert f"accumulator ỹ (r, d_v) = ({b}, 4)" in text
     assert ("Hatched: skipped" in text) == is_causal
 
 
@@ -497,12 +501,11 @@ def layout_problems(fig, tol: float = 1.0) -> list[str]:
                          if overlap(e, extent(f)) and not inside(e, extent(f))]
         targets = [extent(a) for a in [*(b.patch for b in d.boxes), *d.cells, *d.frames]]
         for line in d.lines:
-            if isinstance(line, FancyArrowPatch):
+            if isinstance(line, FancyArrowPatch):  # an arrow: its head must touch something
                 path = ax.transData.transform_path(line.get_path())
-                if line.get_arrowstyle().__class__.__name__ != "Curve":  # it has a head
-                    end = ax.transData.transform(line._posA_posB[1])
-                    if not any(inside(Bbox([end, end]), g, 3) for g in targets):
-                        problems.append(f"an arrow ends on nothing at {line._posA_posB[1]}")
+                end = ax.transData.transform(line._posA_posB[1])
+                if not any(inside(Bbox([end, end]), g, 3) for g in targets):
+                    problems.append(f"an arrow ends on nothing at {line._posA_posB[1]}")
             else:
                 path = line.get_transform().transform_path(line.get_path())
             segments = [(a, b) for poly in path.to_polygons(closed_only=False)
