@@ -29,9 +29,11 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 CHAPTER_DOC = re.compile(r"chapters/\d\d-[\w-]+$")  # a numbered chapter's docname
 
 # The book's code, every file of code/, in the order a notebook imports it: the module, its
-# siblings of Part III (which may import it), the explorable figures' helper, the checks'
-# machinery, and each chapter's checks (checks_<chapter>.py, which import all of those).
-TEACHING_FILES = ("attention.py", "position.py", "flash.py", "transformer.py", "explorable.py")
+# siblings of Part III (which may import it), the diagrams (drawn from all of them), the
+# explorable figures' helper, the checks' machinery, and each chapter's checks
+# (checks_<chapter>.py, which import all of those).
+TEACHING_FILES = ("attention.py", "position.py", "flash.py", "transformer.py", "diagrams.py",
+                  "explorable.py")
 CHECKING_FILE = "checking.py"
 CHECK_FILES = tuple(sorted(path.name for path in (ROOT / "code").glob("checks_*.py")))
 CODE_FILES = (*TEACHING_FILES, CHECKING_FILE, *CHECK_FILES)
