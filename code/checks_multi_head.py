@@ -30,10 +30,12 @@ _HEAD_SHAPES = ((2, 3, 8, 2), (1, 5, 12, 3), (3, 4, 6, 1), (2, 1, 8, 4))  # (B, 
 
 
 def _heads_inputs(shapes=_HEAD_SHAPES):
-    """(where, x (B, L, D) with all entries different, H, heads (B, H, L, hd)): heads[b, h, t]
-    holds features h*hd to (h+1)*hd - 1 of x[b, t], copied one entry at a time."""
-    for shape in shapes:
-        yield _heads_of(*shape)
+    """[(where, x (B, L, D) with all entries different, H, heads (B, H, L, hd))]: heads[b, h, t]
+    holds features h*hd to (h+1)*hd - 1 of x[b, t], copied one entry at a time. A list, not a
+    generator: a generator that a failing case leaves unfinished is closed by the garbage
+    collector at some later moment, perhaps while another answer is recorded, and its code
+    would then count as that answer's (tests/test_checking.py keeps the checks free of them)."""
+    return [_heads_of(*shape) for shape in shapes]
 
 
 @functools.lru_cache(maxsize=None)
@@ -163,10 +165,9 @@ _GQA_HEADS = {"grouped": ((4, 2), (6, 3), (8, 2)), "multi-query": ((4, 1),),
 
 
 def _gqa_inputs(kinds=tuple(_GQA_HEADS)):
-    """(where, q (B, H, L, hd), k and v (B, G, S, hd)) for each (H, G) of the kinds."""
-    for kind in kinds:
-        for H, G in _GQA_HEADS[kind]:
-            yield from _gqa_sized(kind, H, G)
+    """[(where, q (B, H, L, hd), k and v (B, G, S, hd))] for each (H, G) of the kinds (a list,
+    as _heads_inputs says why)."""
+    return [_gqa_sized(kind, H, G) for kind in kinds for H, G in _GQA_HEADS[kind]]
 
 
 def _gqa_sized(kind, H, G):
@@ -175,9 +176,9 @@ def _gqa_sized(kind, H, G):
     if kind == "random":
         B, L, S, hd = (int(n) for n in torch.randint(1, 7, (4,), generator=g))
     q = torch.randn(B, H, L, hd, generator=g)
-    k, v = (torch.randn(B, G, S, hd, generator=g) for _ in range(2))
+    k, v = [torch.randn(B, G, S, hd, generator=g) for _ in range(2)]
     sizes = f", B={B}, L={L}, S={S}, hd={hd}" if kind == "random" else ""
-    yield f"H={H} query heads, G={G} key-value heads{sizes}", q, k, v
+    return f"H={H} query heads, G={G} key-value heads{sizes}", q, k, v
 
 
 def _gqa_shaped(fn, where, q, k, v):
