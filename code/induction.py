@@ -305,7 +305,7 @@ def induction_score(weights: Tensor, first: Tensor, second: Tensor, length: Tens
     B, _, T, _ = weights.shape
     shapes = (f"weights {tuple(weights.shape)}, first {tuple(first.shape)}, "
               f"second {tuple(second.shape)}, length {tuple(length.shape)}")
-    if any(t.shape != (B,) for t in (first, second, length)):
+    if not first.shape == second.shape == length.shape == (B,):
         raise ValueError(f"first, second and length must be (B,) with B = {B}; got {shapes}")
     if bool(((first < 1) | (length < 2) | (second < first + length)
              | (second + length - 1 > T)).any()):
