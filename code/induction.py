@@ -165,8 +165,9 @@ class Batch:
 def make_batch(n: int, config: Config, lengths, generator: torch.Generator) -> Batch:
     """``n`` sequences of ``config.n_tokens`` random tokens after BOS, each with a segment
     copied once. For every sequence the segment's length is drawn uniformly from ``lengths``
-    (inclusive), then the gap between the two copies and the first copy's start, uniformly
-    among those that fit; the second copy overwrites the tokens where it lands."""
+    (inclusive), then the gap between the two copies uniformly among those that fit, then the
+    first copy's start uniformly in the room left; the second copy overwrites the tokens
+    where it lands."""
     _check_lengths("lengths", tuple(lengths), config.n_tokens)
     N, V = config.n_tokens, config.vocab_size
     body = torch.randint(0, V, (n, N), generator=generator)  # (n, N)
