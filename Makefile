@@ -15,7 +15,7 @@ COURSE ?= course
 JB_FLAGS := --all -W -n --keep-going
 
 .PHONY: book html bench test test-code clean serve venv browser chapter screenshots notebooks \
-        student assignments release autograde feedback grades pdf
+        student assignments release autograde feedback grades pdf models
 
 venv: $(STAMP)
 
@@ -65,6 +65,13 @@ release autograde feedback: $(STAMP)
 
 grades: $(STAMP)
 	$(BIN)/python tools/classroom.py grades $(COURSE)
+
+# The trained runs that chapter 12 (Induction heads) loads, trained again one after another on
+# one thread in float64 and written to models/induction/ (committed): a state_dict and a JSON of
+# its config, log and SHA-256 per run. README ("Trained models") says why they are trained here
+# and not in the chapter; tests/test_models.py checks them against the book's code.
+models: $(STAMP)
+	$(BIN)/python tools/models.py
 
 # Incremental: re-reads (and re-executes) only pages whose source, or code/attention.py, changed.
 html: $(STAMP)

@@ -16,6 +16,7 @@ text of every label, so that a chapter or a test can check the labels against th
     flash_tiles_diagram      FlashAttention's tiles, its loop order, its fast memory (ch. 10)
     block_diagram            one TransformerBlock of code/transformer.py, pre- or post-LN
     decoder_only_diagram     a decoder-only language model made of TransformerBlocks
+    induction_circuit_diagram  an induction circuit's two heads on one sequence         (ch. 12)
 
 Every diagram is drawn on white with black text and light, colour-blind-safe fills (tints of
 the Okabe-Ito palette), and every box says in words what it is, so no colour carries meaning
@@ -52,6 +53,7 @@ __all__ = [
     "flash_tiles_diagram",
     "block_diagram",
     "decoder_only_diagram",
+    "induction_circuit_diagram",
     "drawing",
     "Drawing",
     "Box",
@@ -976,4 +978,80 @@ def decoder_only_diagram(blocks: Sequence[TransformerBlock], n_vocab: int, *, ti
                                                                   head.y], dashed=True)
         d.text(xl - 0.15, (emb.y + head.y) / 2, "tied: one matrix, used twice", rotation=90,
                ha="right")
+    return _finish(d)
+
+
+# ---------------------------------------------------------------------------------------------
+# Chapter 12: induction heads
+
+
+def _arc(d: Drawing, start, end, rad: float):
+    """An arrow from ``start`` to ``end`` along an arc bulging ``rad`` times their distance
+    (negative: above a left-to-right arrow); returns its apex."""
+    arrow = FancyArrowPatch(start, end, arrowstyle="-|>", mutation_scale=11, linewidth=1.1,
+                            color=INK, shrinkA=0, shrinkB=0, zorder=3,
+                            connectionstyle=f"arc3,rad={rad}")
+    d.ax.add_patch(arrow)
+    d.lines.append(arrow)
+    (x0, y0), (x1, y1) = start, end
+    apex = ((x0 + x1) / 2 + rad * (y1 - y0) / 2, (y0 + y1) / 2 - rad * (x1 - x0) / 2)
+    d.cover(x0, y0, x1, y1)
+    d.cover(*apex, *apex)
+    return apex
+
+
+def induction_circuit_diagram(tokens, previous: Tensor, induction: Tensor, query: int, *,
+                              labels: Optional[Sequence[str]] = None, prediction=None,
+                              ax: Optional[Axes] = None) -> Figure:
+    """An induction circuit at work on one sequence, drawn from its two heads' real attention
+    weights: the tokens at positions 0..``query`` as a row of cells (their positions under
+    them); the key j that the induction head's query at ``query`` weighs most, as an arc from j
+    to the query; the key k that the previous-token head at j weighs most, as an arc from k to
+    j; and, given, the model's ``prediction`` at the query. ``previous`` and ``induction`` are
+    the ``(T, T)`` weights of the two heads on ``tokens`` ``(T,)``; ``labels`` (T strings)
+    name the tokens, by default their numbers. The arcs point from the key read to the query
+    that reads it, and each says its weight."""
+    tokens = torch.as_tensor(tokens)
+    if tokens.dim() != 1 or tokens.is_floating_point():
+        raise ValueError(f"tokens must be a 1-D integer tensor (T,); got {_describe(tokens)}")
+    T = tokens.shape[0]
+    for name, w in (("previous", previous), ("induction", induction)):
+        if not isinstance(w, Tensor) or tuple(w.shape) != (T, T):
+            raise ValueError(f"{name} must be the (T, T) = ({T}, {T}) weights of one head on "
+                             f"the {T} tokens; got {_describe(w)}")
+    if isinstance(query, bool) or not isinstance(query, int) or not 2 <= query < T:
+        raise ValueError(f"query must be a position in 2..{T - 1}, got {query!r}")
+    labels = [str(int(t)) for t in tokens] if labels is None else [str(x) for x in labels]
+    if len(labels) != T:
+        raise ValueError(f"labels must name the {T} tokens; got {len(labels)}")
+    j = int(induction[query, :query + 1].argmax())  # the key the induction head reads most
+    k = int(previous[j, :j + 1].argmax())  # the key the previous-token head at j reads most
+    a1, a0 = float(induction[query, j]), float(previous[j, k])
+    d = _canvas(ax)
+    w, h = 0.5, 0.8  # a cell: the token above, its position below
+    kinds = {query: "new", j: "attention", k: "linear"}
+    for p in range(query + 1):
+        _cell(d, p * w, 0, w, h, kinds.get(p, "io"))
+        d.text(p * w + w / 2, 0.53, labels[p], size=SMALL - 1, cell=True)
+        d.text(p * w + w / 2, 0.2, str(p), size=SMALL - 2.5, cell=True)
+    d.text(-0.1, 0.53, "token", ha="right", size=SMALL - 1)
+    d.text(-0.1, 0.2, "position", ha="right", size=SMALL - 2.5)
+    centre = lambda p: p * w + w / 2  # noqa: E731
+    top = h
+    if j != query:  # above the row: the query reads key j
+        apex = _arc(d, (centre(j), h), (centre(query), h), -min(0.6, 1.8 / ((query - j) * w)))
+        top = apex[1]
+        d.text(0, top + 0.2, f"layer 1, induction head: position {query}, token "
+               f"{labels[query]}, reads position {j} (weight {a1:.2f}),\nwhose previous "
+               f"token is {labels[k]}, and copies the token there, {labels[j]}",
+               ha="left", va="bottom")
+    if k != j:  # below the row: position j reads key k
+        low = _arc(d, (centre(k), 0), (centre(j), 0), 0.9)
+        d.text(0, low[1] - 0.2, f"layer 0, previous-token head: position {j} reads position "
+               f"{k} (weight {a0:.2f}), the token before it,\n{labels[k]}, and writes it "
+               f"into position {j}", ha="left", va="top")
+    if prediction is not None:
+        box = _box(d, (query + 1) * w + 1.45, h / 2, 1.9, 0.75, f"prediction\nat {query}: "
+                   f"{prediction}", "softmax", size=SMALL)
+        _arrow(d, ((query + 1) * w, h / 2), (box.x - box.w / 2, h / 2))
     return _finish(d)

@@ -47,10 +47,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import attention
 import checking
+import induction
 import position
 from chapter_structure import read_source
 from classroom import numbered_chapters
-from test_exercises import (C1, C2, C2b, C3, C4, C5, C5b, C6, C7, C8, C9, C10, C11, CG,
+from test_exercises import (C1, C2, C2b, C3, C4, C5, C5b, C6, C7, C8, C9, C10, C11, C12, CG,
                             CHECK_NAMES,
                             REFERENCES, graded_points, load_check, reference_functions)
 
@@ -586,6 +587,46 @@ for _name, _fn in captured(lambda rows, eps: F.layer_norm(rows, rows.shape[-1:],
 for _name, _fn in captured(F.layer_norm, "F.layer_norm itself").items():
     add(C11, 2, _name, NOTHING, FORBIDDEN,
         layer_norm=_ln_by((lambda f: lambda rows, eps: f(rows, rows.shape[-1:], eps=eps))(_fn)))
+
+
+# Chapter 12, the induction score: the module's function and its mask of copyable positions,
+# reached by other routes, pasted in, and captured before the check ran.
+def _by_copyable(copyable):
+    """A right induction score whose (sequence, query) pairs come from copyable(first, second,
+    length, T), a (B, T) boolean mask."""
+    def induction_score(weights, first, second, length):
+        b, query = copyable(first, second, length, weights.shape[-1]).nonzero(as_tuple=True)
+        key = query - (second - first)[b] + 1
+        return weights[b, :, query, key].mean(dim=0)
+    return induction_score
+
+
+def _module_mask(first, second, length, T):
+    tokens = torch.zeros(len(first), T + 1, dtype=torch.long)
+    return importlib.import_module("induction").Batch(tokens, first, second, length).copyable()
+
+
+IND_ALIASES = {  # class 1
+    "the module's induction_score through importlib and getattr":
+        lambda w, f, s, n: getattr(importlib.import_module("induction"), "induction" + "_score")(
+            w, f, s, n),
+    "a pasted copy of the module's induction_score": _pasted(
+        induction.induction_score, _check_weights=induction._check_weights),
+    "the module's Batch.copyable through importlib": _by_copyable(_module_mask),
+    "Batch.copyable called as a plain function": _by_copyable(
+        lambda f, s, n, T: induction.Batch.copyable(types.SimpleNamespace(
+            inputs=torch.zeros(len(f), T), first=f, second=s, length=n))),
+}
+for _name, _fn in IND_ALIASES.items():
+    add(C12, 1, _name, NOTHING, FORBIDDEN if "pasted" not in _name
+        else "a copy of the module's code", induction_score=_fn)
+for _name, _fn in captured(induction.induction_score, "the module's induction_score").items():
+    add(C12, 2, _name, NOTHING, FORBIDDEN, induction_score=_fn)
+for _name, _fn in captured(induction.Batch.copyable, "the module's Batch.copyable").items():
+    add(C12, 2, _name, NOTHING, FORBIDDEN, induction_score=_by_copyable(
+        (lambda c: lambda f, s, n, T: c(induction.Batch(torch.zeros(len(f), T + 1,
+                                                                    dtype=torch.long),
+                                                        f, s, n)))(_fn)))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -84,6 +84,8 @@ def draw_all(ax_for=lambda: None):
     yield "block", dg.block_diagram(TransformerBlock(16, 4, 32), ax=ax_for())
     yield "decoder-only", dg.decoder_only_diagram([TransformerBlock(16, 4, 32)] * 2, 50,
                                                   ax=ax_for())
+    yield "induction", dg.induction_circuit_diagram(*circuit(12, 9, 4), 9, prediction=5,
+                                                    ax=ax_for())
 
 
 # --- chapter 2: scaled dot-product attention ------------------------------------------------------
@@ -326,6 +328,45 @@ def test_decoder_only_reads_the_blocks(norm_first, n_layers, n_vocab):
     assert "tied" not in labels(dg.decoder_only_diagram(blocks, n_vocab, tied=False))
 
 
+# --- an induction circuit -------------------------------------------------------------------------
+
+def circuit(T, query, key, seed=0):
+    """Random tokens, a previous-token head's weights (each position on the one before it) and
+    an induction head's (uniform, but for ``query``, which puts 0.8 on ``key``)."""
+    tokens = torch.randint(32, (T,), generator=gen(seed))
+    previous = torch.zeros(T, T)
+    previous[0, 0] = 1.0
+    previous[torch.arange(1, T), torch.arange(T - 1)] = 1.0
+    induction = torch.ones(T, T).tril()
+    induction = induction / induction.sum(1, keepdim=True)
+    induction[query] = torch.where(torch.arange(T) <= query, 0.2 / query, 0.0)
+    induction[query, key] = 0.8
+    return tokens, previous, induction
+
+
+@pytest.mark.parametrize("T, query, key", [(12, 9, 4), (24, 23, 1), (6, 3, 2), (24, 12, 11)])
+def test_induction_circuit_reads_the_heads_strongest_keys(T, query, key):
+    tokens, previous, induction = circuit(T, query, key, seed=T)
+    names = ["BOS"] + [f"t{int(t)}" for t in tokens[1:]]
+    fig = dg.induction_circuit_diagram(tokens, previous, induction, query, labels=names,
+                                       prediction=names[key])
+    d = dg.drawing(fig)
+    text = labels(fig)
+    assert [t.get_text() for t in d.cell_texts] == [x for p in range(query + 1)
+                                                     for x in (names[p], str(p))]
+    assert (f"position {query}, token {names[query]}, reads position {key} (weight 0.80)"
+            in text.replace("\n", " "))
+    arcs = [(a._posA_posB[0][0], a._posA_posB[1][0]) for a in d.lines
+            if isinstance(a, FancyArrowPatch)
+            and getattr(a.get_connectionstyle(), "rad", 0.0) != 0.0]  # arcs, not arrows
+    centre = lambda p: (p + 0.5) * 0.5  # noqa: E731  (cells of 0.5 units)
+    expected = [(centre(key), centre(query))] + ([(centre(key - 1), centre(key))] if key else [])
+    assert sorted(arcs) == sorted(expected)  # from the key read to the query reading it
+    assert (f"position {key} reads position {key - 1} (weight 1.00)" in text) == (key > 0)
+    assert f"at {query}: {names[key]}" in text
+    assert not layout_problems(fig)
+
+
 # --- into a given Axes ----------------------------------------------------------------------------
 
 def test_every_diagram_draws_into_a_given_axes():
@@ -394,6 +435,15 @@ def test_bad_input_is_refused_with_the_reason():
         (lambda: dg.decoder_only_diagram([block, nn.Linear(2, 2)], 10), TypeError, "block 1"),
         (lambda: dg.decoder_only_diagram([block], 0), ValueError, "n_vocab"),
         (lambda: dg.drawing(plt.figure()), ValueError, "0 diagrams"),
+        (lambda: dg.induction_circuit_diagram(torch.zeros(4, 2, dtype=torch.long),
+                                              torch.eye(4), torch.eye(4), 2), ValueError,
+         "1-D integer tensor"),
+        (lambda: dg.induction_circuit_diagram(torch.arange(4), torch.eye(5), torch.eye(4), 2),
+         ValueError, r"previous must be the \(T, T\) = \(4, 4\) weights .* shape \(5, 5\)"),
+        (lambda: dg.induction_circuit_diagram(torch.arange(4), torch.eye(4), torch.eye(4), 4),
+         ValueError, "query must be a position in 2..3"),
+        (lambda: dg.induction_circuit_diagram(torch.arange(4), torch.eye(4), torch.eye(4), 2,
+                                              labels=["a"]), ValueError, "name the 4 tokens"),
     ]
     for call, error, message in cases:
         with pytest.raises(error, match=message):
@@ -428,7 +478,7 @@ def test_the_diagrams_own_figures_fit_the_books_column():
 
 
 @pytest.mark.parametrize("name", ["flow", "multihead", "cross", "stack", "kv cache", "flash",
-                                  "block", "decoder-only"])
+                                  "block", "decoder-only", "induction"])
 def test_layout_text_in_its_box_nothing_overlaps_or_is_cut_off(name):
     fig = dict(draw_all())[name]
     assert not layout_problems(fig)

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 import attention
 import checking
 import flash
+import induction
 import position
 import transformer
 from attention import causal_mask, padding_mask, scaled_dot_product_attention, softmax
@@ -161,6 +162,8 @@ RULE_OF_CALL = {
     "attention.MultiHeadAttention.merge_heads": "the module's MultiHeadAttention.merge_heads",
     "position.rotary_embedding": "the module's rotary_embedding",
     "transformer.TransformerBlock": "the module's TransformerBlock",
+    "induction.induction_score": "the module's induction_score",
+    "induction.Batch.copyable": "the module's Batch.copyable",
     "torch.nn.functional.layer_norm": "a ready-made normalisation",
     "torch.nn.LayerNorm": "a ready-made normalisation",
     "torch.nn.functional.group_norm": "a ready-made normalisation",
@@ -1911,6 +1914,125 @@ def ln_einsum(x, gain, shift, eps=1e-5):
     centred = x @ centring
     var = torch.einsum("...d,...d->...", centred, centred)[..., None] / D
     return centred / torch.sqrt(var + eps) * gain + shift
+
+
+# --- chapter 12: check_induction_score(fn), fn(weights, first, second, length) -> (H,) ------
+
+C12 = "check_induction_score"
+
+
+def _copy_pairs(first, second, length, start=0, stop=-1):
+    """(sequence, query) index tensors of the positions second + start .. second + length - 1
+    + stop of every sequence: start=0, stop=-1 are the copyable ones."""
+    i = torch.arange(int((second + length).max()) + 1)
+    mask = (i >= (second + start)[:, None]) & (i < (second + length + stop)[:, None])
+    return mask.nonzero(as_tuple=True)
+
+
+def _ind_mean_at(weights, b, query, key):
+    return weights[b, :, query, key].mean(dim=0)
+
+
+@wrong(C12, "the pattern of a duplicate-token head")
+def ind_duplicate_token(weights, first, second, length):
+    b, query = _copy_pairs(first, second, length)
+    return _ind_mean_at(weights, b, query, query - (second - first)[b])
+
+
+@wrong(C12, "the key is one position too far")
+def ind_two_after(weights, first, second, length):
+    b, query = _copy_pairs(first, second, length)
+    return _ind_mean_at(weights, b, query, query - (second - first)[b] + 2)
+
+
+@wrong(C12, "the last position of the second copy is counted")
+def ind_whole_second_copy(weights, first, second, length):
+    b, query = _copy_pairs(first, second, length, stop=0)
+    return _ind_mean_at(weights, b, query, query - (second - first)[b] + 1)
+
+
+@wrong(C12, "the queries are shifted by one")
+def ind_target_positions(weights, first, second, length):
+    b, query = _copy_pairs(first, second, length, start=1, stop=0)
+    return _ind_mean_at(weights, b, query, query - (second - first)[b] + 1)
+
+
+@wrong(C12, "the weights are read as [key, query]")
+def ind_transposed(weights, first, second, length):
+    b, query = _copy_pairs(first, second, length)
+    key = query - (second - first)[b] + 1
+    return weights[b, :, key, query].mean(dim=0)
+
+
+@wrong(C12, "each sequence is averaged first")
+def ind_mean_of_means(weights, first, second, length):
+    means = []
+    for s in range(weights.shape[0]):
+        queries = torch.arange(int(second[s]), int(second[s] + length[s] - 1))
+        keys = queries - int(second[s] - first[s]) + 1
+        means.append(weights[s, :, queries, keys].mean(dim=-1))
+    return torch.stack(means).mean(dim=0)
+
+
+@wrong(C12, "the heads are averaged together")
+def ind_heads_pooled(weights, first, second, length):
+    b, query = _copy_pairs(first, second, length)
+    score = _ind_mean_at(weights, b, query, query - (second - first)[b] + 1)
+    return score.mean().expand(weights.shape[1])
+
+
+@wrong(C12, "summed, not averaged")
+def ind_summed(weights, first, second, length):
+    b, query = _copy_pairs(first, second, length)
+    return weights[b, :, query, query - (second - first)[b] + 1].sum(dim=0)
+
+
+@shortcut(C12, "induction.induction_score")
+def ind_module(weights, first, second, length):
+    return induction.induction_score(weights, first, second, length)
+
+
+@shortcut(C12, "induction.Batch.copyable")
+def ind_module_mask(weights, first, second, length):
+    """The module's mask of copyable positions, from a Batch built around the positions."""
+    tokens = torch.zeros(weights.shape[0], weights.shape[-1] + 1, dtype=torch.long)
+    copyable = induction.Batch(tokens, first, second, length).copyable()  # (B, T)
+    b, query = copyable.nonzero(as_tuple=True)
+    return _ind_mean_at(weights, b, query, query - (second - first)[b] + 1)
+
+
+@right(C12)
+def ind_loops(weights, first, second, length):
+    total, count = torch.zeros(weights.shape[1], dtype=weights.dtype), 0
+    for s in range(weights.shape[0]):
+        offset = int(second[s] - first[s])
+        for i in range(int(second[s]), int(second[s] + length[s] - 1)):
+            total = total + weights[s, :, i, i - offset + 1]
+            count += 1
+    return total / count
+
+
+@right(C12)
+def ind_gather(weights, first, second, length):
+    """Shift every row by the copies' offset with gather, then average under a mask."""
+    B, H, T, _ = weights.shape
+    i = torch.arange(T)
+    key = (i - (second - first)[:, None] + 1).clamp(min=0)  # (B, T)
+    picked = weights.gather(3, key[:, None, :, None].expand(B, H, T, 1))[..., 0]  # (B, H, T)
+    mask = ((i >= second[:, None]) & (i < (second + length - 1)[:, None])).to(weights.dtype)
+    return (picked * mask[:, None, :]).sum(dim=(0, 2)) / mask.sum()
+
+
+@right(C12)
+def ind_einsum(weights, first, second, length):
+    """A one-hot (B, T, T) of the (query, key) pairs, contracted with the weights."""
+    T = weights.shape[-1]
+    i = torch.arange(T)
+    rows = (i >= second[:, None]) & (i < (second + length - 1)[:, None])  # (B, T)
+    key = i - (second - first)[:, None] + 1  # (B, T)
+    onehot = (i[None, None, :] == key[:, :, None]) & rows[:, :, None]  # (B, T, T)
+    onehot = onehot.to(weights.dtype)
+    return torch.einsum("bhij,bij->h", weights, onehot) / onehot.sum()
 
 
 def _run(check, fn):

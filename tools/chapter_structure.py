@@ -29,11 +29,11 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 CHAPTER_DOC = re.compile(r"chapters/\d\d-[\w-]+$")  # a numbered chapter's docname
 
 # The book's code, every file of code/, in the order a notebook imports it: the module, its
-# siblings of Part III (which may import it), the diagrams (drawn from all of them), the
-# explorable figures' helper, the checks' machinery, and each chapter's checks
+# siblings of Part III (which may import it), the diagrams (drawn from all of them), Part IV's
+# induction heads (which fetches trained models from beside the code), the explorable figures' helper, the checks' machinery, and each chapter's checks
 # (checks_<chapter>.py, which import all of those).
 TEACHING_FILES = ("attention.py", "position.py", "flash.py", "transformer.py", "diagrams.py",
-                  "explorable.py")
+                  "induction.py", "explorable.py")
 CHECKING_FILE = "checking.py"
 CHECK_FILES = tuple(sorted(path.name for path in (ROOT / "code").glob("checks_*.py")))
 CODE_FILES = (*TEACHING_FILES, CHECKING_FILE, *CHECK_FILES)
@@ -86,7 +86,9 @@ def torch_pin() -> str:
 
 
 # The code of every chapter's first code cell; @RAW@ is the raw-file address of the repository
-# at the book's ref. In the book the module is importable and the fetch never runs.
+# at the book's ref. In the book the module is importable and the fetch never runs. The address
+# of the code/ folder goes to the environment as ATTENTION_CODE_URL, where code/induction.py
+# finds the trained models (models/ beside code/) when the notebook is not in the repository.
 SETUP_TEMPLATE = '''\
 # Setup, hidden in the book. Makes the book's code importable (the module code/attention.py,
 # its siblings and this chapter's checks, code/checks_*.py): from the repository when the notebook
@@ -95,13 +97,16 @@ SETUP_TEMPLATE = '''\
 # version, compared with the one the book's text was checked with.
 import importlib, os, pathlib, sys, urllib.request
 sys.path.insert(0, str(pathlib.Path.cwd().parent / "code"))
+# The book's code/ folder: the published one at the book's ref, or where ATTENTION_PY_URL says
+# attention.py is. code/induction.py fetches trained models from beside it.
+os.environ["ATTENTION_CODE_URL"] = (os.environ.get("ATTENTION_PY_URL") or (
+    "@RAW@"
+    "code/attention.py")).rsplit("/", 1)[0]
 for module in @MODULES@:
     try:
         importlib.import_module(module)
     except ModuleNotFoundError:
-        url = (os.environ.get("ATTENTION_PY_URL") or (  # the published module, at the book's ref
-            "@RAW@"
-            "code/attention.py")).rsplit("/", 1)[0] + f"/{module}.py"
+        url = f"{os.environ['ATTENTION_CODE_URL']}/{module}.py"
         try:
             urllib.request.urlretrieve(url, f"{module}.py")
         except OSError as err:

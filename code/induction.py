@@ -1,0 +1,491 @@
+"""Induction heads in a small attention-only Transformer, written to be read.
+
+The task (Olsson et al. 2022): a sequence of random tokens in which a segment appears twice.
+Inside the second copy, every token after its first can be predicted by copying: find the
+earlier occurrence of the current token and predict the token that followed it. A model of two
+attention layers learns to do exactly that by composing two heads (Elhage et al. 2021): a
+*previous-token head* in layer 0 writes "the token before me" into every position, and an
+*induction head* in layer 1 matches the current token against it and copies what follows.
+
+What is here, in the order the chapter "Induction heads" uses it:
+
+- ``Config``, ``Batch``, ``make_batch`` and ``evaluation_sets``: the data, with the segment's
+  length and both positions drawn at random for every sequence;
+- ``AttentionOnly``: token and position embeddings, attention layers (the module's causal
+  ``MultiHeadAttention``) added to the residual stream, a linear unembedding; no MLP and no
+  layer norm;
+- ``previous_token_score`` and ``induction_score``, computed from attention weights;
+  ``ablate``, a copy of a model with some heads' outputs zeroed; ``repeated_loss`` and
+  ``copy_reference_loss``; ``evaluate``;
+- ``train(config, seed)``, which returns the model and its log, and ``phase_change_step``;
+- ``save_run`` and ``load_run``: the runs that tools/models.py trains (``make models``) and
+  the chapter loads, with their logs and the SHA-256 of their weights.
+
+Everything is float64 and deterministic: the same config and seed give the same log.
+
+Positions are counted from 0 in the sequence the model reads, whose position 0 holds the
+beginning-of-sequence token BOS (``vocab_size``). Shape legend as in ``attention.py``: B
+sequences, H heads, T positions (L = S = T in self-attention), D = d_model.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import pathlib
+import urllib.request
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from attention import MultiHeadAttention
+
+__all__ = [
+    "Config",
+    "Batch",
+    "make_batch",
+    "evaluation_sets",
+    "AttentionOnly",
+    "ablate",
+    "previous_token_score",
+    "induction_score",
+    "repeated_loss",
+    "copy_reference_loss",
+    "evaluate",
+    "train",
+    "phase_threshold",
+    "phase_change_step",
+    "save_run",
+    "load_run",
+    "Run",
+]
+
+DTYPE = torch.float64
+EVAL_SEED = 1234  # the generator of the fixed evaluation sets, the same for every run
+
+
+# ---------------------------------------------------------------------------------------------
+# The configuration and the data
+
+
+@dataclass(frozen=True)
+class Config:
+    """One training run's settings. ``n_tokens`` random tokens follow BOS; the model reads the
+    first ``n_tokens`` of those ``n_tokens + 1`` and predicts each next one. The repeated
+    segment's length is drawn from ``train_lengths`` (inclusive) in training and from
+    ``heldout_lengths`` in the held-out evaluation set."""
+
+    n_layers: int = 2
+    n_heads: int = 1
+    d_model: int = 32
+    vocab_size: int = 32
+    n_tokens: int = 24
+    train_lengths: tuple = (3, 8)
+    heldout_lengths: tuple = (9, 12)
+    lr: float = 1e-2
+    betas: tuple = (0.9, 0.99)
+    weight_decay: float = 0.01
+    batch_size: int = 32
+    steps: int = 800
+    log_every: int = 25
+    eval_size: int = 256
+
+    def __post_init__(self):
+        for name in ("n_layers", "n_heads", "d_model", "vocab_size", "n_tokens", "batch_size",
+                     "log_every", "eval_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Config.{name} must be a positive integer, got {value!r}")
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model={self.d_model} must be a multiple of "
+                             f"n_heads={self.n_heads}")
+        if self.steps < 0 or self.steps % self.log_every:
+            raise ValueError(f"steps={self.steps} must be a multiple of "
+                             f"log_every={self.log_every}, so that the last step is logged")
+        for name in ("train_lengths", "heldout_lengths", "betas"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))  # JSON gives lists
+        for name in ("train_lengths", "heldout_lengths"):
+            _check_lengths(name, getattr(self, name), self.n_tokens)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "Config":
+        return cls(**values)
+
+
+def _check_lengths(name: str, lengths, n_tokens: int) -> None:
+    if (len(lengths) != 2 or not all(isinstance(n, int) for n in lengths)
+            or not 2 <= lengths[0] <= lengths[1] or 2 * lengths[1] > n_tokens):
+        raise ValueError(f"{name} must be (shortest, longest) with 2 <= shortest <= longest "
+                         f"and two copies of the longest within n_tokens={n_tokens}; "
+                         f"got {lengths!r}")
+
+
+@dataclass
+class Batch:
+    """B sequences and where their copies are. ``tokens`` is ``(B, n_tokens + 1)``: BOS, then
+    the random tokens. The segment of ``length`` tokens starts at position ``first`` and again
+    at ``second`` (each ``(B,)``, positions in ``tokens``), with ``second >= first + length``.
+    """
+
+    tokens: Tensor
+    first: Tensor
+    second: Tensor
+    length: Tensor
+
+    @property
+    def inputs(self) -> Tensor:
+        """(B, T): what the model reads, BOS and the first T - 1 random tokens."""
+        return self.tokens[:, :-1]
+
+    @property
+    def targets(self) -> Tensor:
+        """(B, T): the token each position must predict, the one after it."""
+        return self.tokens[:, 1:]
+
+    def copyable(self) -> Tensor:
+        """(B, T) boolean: the positions whose next token can be predicted by copying. Those
+        are the positions of the second copy but its last: position i holds a token of the
+        second copy, and the token after it is the token after that token's earlier
+        occurrence, at i - (second - first) + 1."""
+        i = torch.arange(self.inputs.shape[1])
+        start, end = self.second[:, None], (self.second + self.length - 1)[:, None]
+        return (i >= start) & (i < end)
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+
+def make_batch(n: int, config: Config, lengths, generator: torch.Generator) -> Batch:
+    """``n`` sequences of ``config.n_tokens`` random tokens after BOS, each with a segment
+    copied once. For every sequence the segment's length is drawn uniformly from ``lengths``
+    (inclusive), then the gap between the two copies uniformly among those that fit, then the
+    first copy's start uniformly in the room left; the second copy overwrites the tokens
+    where it lands."""
+    _check_lengths("lengths", tuple(lengths), config.n_tokens)
+    N, V = config.n_tokens, config.vocab_size
+    body = torch.randint(0, V, (n, N), generator=generator)  # (n, N)
+    length = torch.randint(lengths[0], lengths[1] + 1, (n,), generator=generator)
+    room = N - 2 * length  # what the gap and the first copy's offset share
+    gap = (torch.rand(n, generator=generator, dtype=DTYPE) * (room + 1)).long()
+    start = (torch.rand(n, generator=generator, dtype=DTYPE) * (room - gap + 1)).long()
+    i = torch.arange(N)
+    shift = (length + gap)[:, None]  # the second copy starts this far after the first
+    in_second = (i >= start[:, None] + shift) & (i < start[:, None] + shift + length[:, None])
+    source = (i - shift).clamp(min=0)  # (n, N): where a token of the second copy comes from
+    body = torch.where(in_second, body.gather(1, source), body)
+    tokens = torch.cat([torch.full((n, 1), V), body], dim=1)  # BOS first
+    return Batch(tokens, start + 1, start + 1 + length + gap, length)
+
+
+def evaluation_sets(config: Config) -> dict[str, Batch]:
+    """The fixed evaluation sets of ``config.eval_size`` sequences each, drawn from one
+    generator seeded with EVAL_SEED: "train", with the training lengths, and "heldout", with
+    the held-out lengths."""
+    generator = torch.Generator().manual_seed(EVAL_SEED)
+    return {"train": make_batch(config.eval_size, config, config.train_lengths, generator),
+            "heldout": make_batch(config.eval_size, config, config.heldout_lengths, generator)}
+
+
+# ---------------------------------------------------------------------------------------------
+# The model
+
+
+class AttentionOnly(nn.Module):
+    """An attention-only Transformer: the residual stream starts as token embedding plus a
+    learned position embedding, each layer adds its causal multi-head attention to it, and a
+    linear map reads the logits over the ``vocab_size`` tokens (BOS is never predicted). No
+    MLP, no layer norm, no biases; float64.
+
+    ``forward(tokens)`` takes ``(B, T)`` integer tokens and returns the logits ``(B, T,
+    vocab_size)`` and each layer's attention weights, ``(B, H, T, T)`` each.
+    """
+
+    def __init__(self, config: Config):
+        super().__init__()
+        self.config = config
+        D = config.d_model
+        self.embed = nn.Embedding(config.vocab_size + 1, D, dtype=DTYPE)  # + BOS
+        self.position = nn.Embedding(config.n_tokens, D, dtype=DTYPE)
+        nn.init.normal_(self.embed.weight, std=0.02)
+        nn.init.normal_(self.position.weight, std=0.02)
+        self.layers = nn.ModuleList(MultiHeadAttention(D, config.n_heads, bias=False, dtype=DTYPE)
+                                    for _ in range(config.n_layers))
+        self.unembed = nn.Linear(D, config.vocab_size, bias=False, dtype=DTYPE)
+
+    def stream(self, tokens: Tensor) -> Tensor:
+        """(B, T, D): the residual stream before the first layer."""
+        T = tokens.shape[1]
+        return self.embed(tokens) + self.position(torch.arange(T))
+
+    def forward(self, tokens: Tensor) -> tuple[Tensor, list[Tensor]]:
+        self._check_tokens(tokens)
+        x = self.stream(tokens)  # (B, T, D)
+        weights = []
+        for layer in self.layers:
+            out, w = layer(x, x, x, is_causal=True)  # (B, T, D), (B, H, T, T)
+            x = x + out
+            weights.append(w)
+        return self.unembed(x), weights  # (B, T, vocab_size), [(B, H, T, T)] * n_layers
+
+    def _check_tokens(self, tokens) -> None:
+        c = self.config
+        if (not isinstance(tokens, Tensor) or tokens.dim() != 2
+                or tokens.dtype not in (torch.int64, torch.int32)):
+            what = (f"shape {tuple(tokens.shape)} and dtype {tokens.dtype}"
+                    if isinstance(tokens, Tensor) else type(tokens).__name__)
+            raise ValueError(f"AttentionOnly expects integer tokens of shape (B, T); got {what}")
+        if not 1 <= tokens.shape[1] <= c.n_tokens:
+            raise ValueError(f"tokens {tuple(tokens.shape)}: T must lie in 1..{c.n_tokens}, "
+                             "the positions the model has embeddings for")
+        if int(tokens.min()) < 0 or int(tokens.max()) > c.vocab_size:
+            raise ValueError(f"tokens must lie in 0..{c.vocab_size} (BOS = {c.vocab_size}); "
+                             f"got values from {int(tokens.min())} to {int(tokens.max())}")
+
+
+def ablate(model: AttentionOnly, heads: Iterable[tuple[int, int]]) -> AttentionOnly:
+    """A copy of ``model`` in which each head ``(layer, head)`` of ``heads`` writes nothing.
+
+    A layer's output is its heads' outputs side by side, ``(B, T, H * d_h)``, times W_O;
+    head h's output meets only the d_h columns of ``out_proj.weight`` (rows of W_O in the
+    book's notation) from h * d_h on, so zeroing those zeroes the head's contribution and
+    nothing else. Its attention weights are unchanged.
+    """
+    ablated = copy.deepcopy(model)
+    for layer, head in heads:
+        if not (0 <= layer < len(model.layers) and 0 <= head < model.config.n_heads):
+            raise ValueError(f"no head ({layer}, {head}): the model has "
+                             f"{len(model.layers)} layers of {model.config.n_heads} heads")
+        attn = ablated.layers[layer]
+        width = attn.head_dim
+        with torch.no_grad():
+            attn.out_proj.weight[:, head * width:(head + 1) * width] = 0.0
+    return ablated
+
+
+# ---------------------------------------------------------------------------------------------
+# Scores and losses
+
+
+def _check_weights(weights) -> None:
+    if not isinstance(weights, Tensor) or weights.dim() != 4 or \
+            weights.shape[-1] != weights.shape[-2] or not weights.is_floating_point():
+        what = (f"shape {tuple(weights.shape)}" if isinstance(weights, Tensor)
+                else type(weights).__name__)
+        raise ValueError(f"weights must be a floating (B, H, T, T) tensor of one layer's "
+                         f"attention; got {what}")
+
+
+def previous_token_score(weights: Tensor) -> Tensor:
+    """(H,): each head's mean weight on the previous position, a_{i, i-1}, over the positions
+    i = 1..T-1 of all B sequences. ``weights`` is ``(B, H, T, T)``. A head that always reads
+    the token before its own scores 1; uniform causal weights score about (ln T) / T."""
+    _check_weights(weights)
+    T = weights.shape[-1]
+    if T < 2:
+        raise ValueError(f"weights {tuple(weights.shape)}: T = {T} has no previous position")
+    i = torch.arange(1, T)
+    return weights[:, :, i, i - 1].mean(dim=(0, 2))  # (B, H, T - 1) -> (H,)
+
+
+def induction_score(weights: Tensor, first: Tensor, second: Tensor, length: Tensor) -> Tensor:
+    """(H,): each head's mean weight, from each copyable position i of the second copy, on
+    the position after the earlier occurrence of its token, i - (second - first) + 1.
+
+    ``weights`` is ``(B, H, T, T)``; ``first``, ``second`` and ``length`` are ``(B,)``: the
+    segment of ``length`` tokens starts at ``first`` and again at ``second``. The copyable
+    positions are second .. second + length - 2 (``Batch.copyable``); every one of them, in
+    every sequence, counts once in the mean."""
+    _check_weights(weights)
+    B, _, T, _ = weights.shape
+    shapes = (f"weights {tuple(weights.shape)}, first {tuple(first.shape)}, "
+              f"second {tuple(second.shape)}, length {tuple(length.shape)}")
+    if not first.shape == second.shape == length.shape == (B,):
+        raise ValueError(f"first, second and length must be (B,) with B = {B}; got {shapes}")
+    if bool(((first < 1) | (length < 2) | (second < first + length)
+             | (second + length - 1 > T)).any()):
+        raise ValueError(f"every sequence needs 1 <= first, length >= 2, first + length <= "
+                         f"second and second + length - 1 <= T = {T}; got {shapes}")
+    i = torch.arange(T)
+    copyable = (i >= second[:, None]) & (i < (second + length - 1)[:, None])  # (B, T)
+    b, query = copyable.nonzero(as_tuple=True)  # every copyable (sequence, position)
+    key = query - (second - first)[b] + 1  # the position after the earlier occurrence
+    return weights[b, :, query, key].mean(dim=0)  # (n, H) -> (H,)
+
+
+def repeated_loss(logits: Tensor, batch: Batch) -> Tensor:
+    """The mean cross-entropy of the copyable targets (``Batch.copyable``), the loss on the
+    repeated part; ``logits`` is ``(B, T, vocab_size)``. A scalar tensor."""
+    losses = F.cross_entropy(logits.transpose(1, 2), batch.targets, reduction="none")  # (B, T)
+    return losses[batch.copyable()].mean()
+
+
+def copy_reference_loss(batch: Batch) -> float:
+    """The repeated-part loss of the ideal one-token copying rule: at each copyable position,
+    predict uniformly among the tokens that followed the earlier occurrences of the current
+    token. It is above 0 because tokens recur by chance, and it is what an induction head that
+    matches one token can reach."""
+    total, count = 0.0, 0
+    for seq, row in zip(batch.tokens.tolist(), batch.copyable().tolist()):
+        for i in (i for i, yes in enumerate(row) if yes):
+            followers = [seq[j + 1] for j in range(1, i) if seq[j] == seq[i]]
+            total -= math.log(followers.count(seq[i + 1]) / len(followers))
+            count += 1
+    return total / count
+
+
+@torch.no_grad()
+def evaluate(model: AttentionOnly, sets: dict[str, Batch]) -> dict:
+    """The repeated-part loss on the "train" and "heldout" evaluation sets, and on the first,
+    each layer's previous-token and induction scores, one per head."""
+    logits, weights = model(sets["train"].inputs)
+    train = sets["train"]
+    heldout_logits, _ = model(sets["heldout"].inputs)
+    return {
+        "loss": float(repeated_loss(logits, train)),
+        "heldout_loss": float(repeated_loss(heldout_logits, sets["heldout"])),
+        "previous_token": [previous_token_score(w).tolist() for w in weights],
+        "induction": [induction_score(w, train.first, train.second, train.length).tolist()
+                      for w in weights],
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Training
+
+
+def train(config: Config, seed: int) -> tuple[AttentionOnly, list[dict]]:
+    """Train a fresh model with AdamW on the repeated-part loss of fresh batches.
+
+    The model's initial weights come from ``seed`` (drawn without touching the global random
+    state), the batches from a generator seeded with ``seed``. Every ``config.log_every``
+    steps, from step 0 to ``config.steps``, the log gets a record: the step and what
+    ``evaluate`` measures on the fixed evaluation sets. Returns the model and the log."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AttentionOnly(config)
+    data = torch.Generator().manual_seed(seed)
+    sets = evaluation_sets(config)
+    opt = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=config.betas,
+                            weight_decay=config.weight_decay)
+    log = []
+    for step in range(config.steps + 1):
+        if step % config.log_every == 0:
+            log.append({"step": step, **evaluate(model, sets)})
+        if step == config.steps:
+            break
+        batch = make_batch(config.batch_size, config, config.train_lengths, data)
+        logits, _ = model(batch.inputs)
+        loss = repeated_loss(logits, batch)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model, log
+
+
+def phase_threshold(config: Config) -> float:
+    """Halfway between a uniform guess, ln(vocab_size), and the copy reference loss of the
+    training-length evaluation set: the loss a run must fall below to have changed phase."""
+    return (math.log(config.vocab_size) + copy_reference_loss(evaluation_sets(config)["train"])) / 2
+
+
+def phase_change_step(log: list[dict], threshold: float) -> Optional[int]:
+    """The first logged step whose repeated-part loss is below ``threshold``; None if none."""
+    return next((record["step"] for record in log if record["loss"] < threshold), None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Trained runs: written by tools/models.py (make models), read by the chapter
+
+
+MODELS = pathlib.Path("models") / "induction"  # in the repository, beside code/
+CODE_URL = "ATTENTION_CODE_URL"  # the address of the book's code/ folder; the setup cell sets it
+
+
+@dataclass
+class Run:
+    """A trained run: its name, config and seed, its log, and the model with its weights."""
+    name: str
+    config: Config
+    seed: int
+    log: list
+    model: AttentionOnly
+
+
+def _sha256(path: pathlib.Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def save_run(folder: pathlib.Path, name: str, config: Config, seed: int,
+             model: AttentionOnly, log: list[dict]) -> dict:
+    """Write ``<name>.pt`` (the state_dict) and ``<name>.json`` (config, seed, log, torch's
+    version and the .pt's SHA-256) into ``folder``; returns what the JSON holds."""
+    folder = pathlib.Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    weights = folder / f"{name}.pt"
+    torch.save(model.state_dict(), weights)
+    record = {"name": name, "config": dataclasses.asdict(config), "seed": seed,
+              "torch": torch.__version__, "sha256": _sha256(weights), "log": log}
+    (folder / f"{name}.json").write_text(json.dumps(record, indent=1) + "\n")
+    return record
+
+
+def _repository_models() -> Optional[pathlib.Path]:
+    """models/induction/ of the repository, when this file sits in its code/ folder."""
+    here = pathlib.Path(__file__).resolve().parent
+    folder = here.parent / MODELS
+    return folder if here.name == "code" and folder.is_dir() else None
+
+
+def _fetch(name: str, folder: pathlib.Path) -> None:
+    """Fetch ``<name>.json`` and ``<name>.pt`` from models/induction/ of the repository whose
+    code/ folder the environment variable ATTENTION_CODE_URL gives (the setup cell sets it
+    to the published repository's, at the book's ref), into ``folder``."""
+    base = os.environ.get(CODE_URL)
+    if not base:
+        raise RuntimeError(
+            f"the trained run {name!r} is not here and {CODE_URL} is not set: run the "
+            "notebook's first cell, or set it to the address of the book's code/ folder")
+    folder.mkdir(parents=True, exist_ok=True)
+    for suffix in (".json", ".pt"):
+        url = f"{base.rstrip('/').rsplit('/', 1)[0]}/{MODELS.as_posix()}/{name}{suffix}"
+        try:
+            urllib.request.urlretrieve(url, folder / f"{name}{suffix}")
+        except OSError as err:
+            raise RuntimeError(
+                f"could not fetch {url}: {err}. Put models/induction/{name}.json and "
+                f"{name}.pt in {folder}, or set {CODE_URL} to the address of a copy of the "
+                "book's code/ folder (models/ is fetched from beside it)") from None
+
+
+def load_run(name: str, folder: Optional[pathlib.Path] = None) -> Run:
+    """The trained run ``name``, read from ``folder``: by default the repository's
+    models/induction/ when this file sits in its code/ folder, else models/induction/ beside
+    this file (Colab, a download), where the run is fetched once from the published
+    repository (``_fetch``). The weights' SHA-256 must be the one their JSON records."""
+    repository = _repository_models()
+    folder = pathlib.Path(folder or repository or pathlib.Path(__file__).resolve().parent / MODELS)
+    json_file, weights = folder / f"{name}.json", folder / f"{name}.pt"
+    if not (json_file.is_file() and weights.is_file()):
+        if repository is not None and folder.resolve() == repository.resolve():
+            raise FileNotFoundError(f"{weights} or {json_file.name} is missing: run "
+                                    "`make models` to train the runs the chapter loads")
+        _fetch(name, folder)
+    record = json.loads(json_file.read_text())
+    found = _sha256(weights)
+    if found != record["sha256"]:
+        raise ValueError(
+            f"{weights}: its SHA-256 is {found}, but {name}.json records {record['sha256']}; "
+            "the weights are not the ones that run wrote. Delete both files to fetch them "
+            "again, or run `make models` in the repository")
+    config = Config.from_dict(record["config"])
+    model = AttentionOnly(config)
+    model.load_state_dict(torch.load(weights, weights_only=True))
+    model.eval()
+    return Run(name, config, record["seed"], record["log"], model)
