@@ -682,12 +682,14 @@ class KVCache:
             key, value, positions = self._roll(key, value)
         self.seen += n
         self.key_positions = positions
+        S = positions.shape[0]
+        if self.window is None:  # keys at positions 0 .. start + n - 1, in order
+            visible = torch.ones(n, S, dtype=torch.bool, device=key.device)
+            return key, value, visible.tril(S - n) if is_causal else visible
         query_pos = torch.arange(start, start + n, device=key.device)
         back = query_pos[:, None] - positions[None, :]  # (n, S): steps back
-        visible = (back >= 0) if is_causal else torch.ones_like(back, dtype=torch.bool)
-        if self.window is not None:
-            visible &= back < self.window
-        return key, value, visible
+        visible = back < self.window
+        return key, value, visible & (back >= 0) if is_causal else visible
 
     def _roll(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """The rolling cache's update: (keys, values, their positions)."""
