@@ -702,7 +702,7 @@ class KVCache:
             self._write(key, value, start)
             filled = min(start + n, W)
             return (self._keys[..., :filled, :], self._values[..., :filled, :],
-                    self._slots[:filled])
+                    self._slots[:filled].clone())
         # A chunk that wraps around: its first queries still need keys that
         # its later positions will overwrite, so attend to the slots as they
         # are, followed by the chunk's own keys, and write afterwards.

@@ -299,6 +299,17 @@ class TestPreallocatedCache:
                                              "capacity of 1"):
             KVCache(capacity=1).update(k, k)  # on the first call too
 
+    def test_says_what_it_holds(self):
+        cache = KVCache(capacity=8)
+        assert repr(cache) == "KVCache(capacity=8, holds 0 positions, seen=0)"
+        cache.update(torch.zeros(1, 1, 3, 2), torch.zeros(1, 1, 3, 2))
+        assert repr(cache) == "KVCache(capacity=8, holds 3 positions, seen=3)"
+        assert cache.key_positions.tolist() == [0, 1, 2]
+        ring = KVCache(window=2)
+        ring.update(torch.zeros(1, 1, 3, 2), torch.zeros(1, 1, 3, 2))
+        assert repr(ring) == "KVCache(window=2, holds 2 positions, seen=3)"
+        assert repr(KVCache()) == "KVCache(holds 0 positions, seen=0)"
+
     @pytest.mark.parametrize("capacity", [0, -3, 2.5, True])
     def test_capacity_must_be_positive(self, capacity):
         with pytest.raises(ValueError, match="capacity must be a positive integer"):
