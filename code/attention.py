@@ -347,10 +347,14 @@ class MultiHeadAttention(nn.Module):
         is read as PyTorch's module reads it, ``(B * H, L, S)``.
 
         With a ``cache`` (self-attention while decoding; see ``KVCache``)
-        the L new tokens' keys and values are appended to it first, and S
-        counts every key the new queries may see: the cached ones and the
-        new. ``is_causal`` then aligns the new queries with the *last* L
-        keys (bottom right), since they are the newest positions.
+        the L new tokens' keys and values are stored in it first, and S
+        counts every key the cache gives the new queries: the cached ones
+        and the new. ``is_causal`` then aligns the new queries with the
+        *last* L keys (bottom right), since they are the newest positions.
+        The weights' S columns, and the key axis of an ``attn_mask``,
+        follow the order of the keys the cache returns,
+        ``cache.key_positions``: position order, except in a rolling cache
+        (``KVCache(window=W)``) whose slots have wrapped around.
         """
         self._check_inputs(query, key, value)
         if cache is not None and query.shape[1] != key.shape[1]:
@@ -497,70 +501,280 @@ class KVCache:
 
     Pass the same cache to every call of one ``MultiHeadAttention`` while
     generating: ``out, w = mha(x_new, x_new, x_new, is_causal=True,
-    cache=cache)``. Each call appends the new tokens' keys and values,
-    ``keys`` and ``values`` of shape ``(B, G, len(cache), head_dim)`` (per
-    key/value head; None before the first call), and lets the new queries,
-    the newest positions, see every stored key and, with ``is_causal``,
-    the new keys up to their own position. Any chunking of a sequence
-    (the prompt at once, then one token at a time) then gives the rows of
-    ``mha(x, x, x, is_causal=True)`` on the whole sequence.
+    cache=cache)``. Each call stores the new tokens' keys and values and
+    lets the new queries, the newest positions, see every stored key and,
+    with ``is_causal``, the new keys up to their own position. Any chunking
+    of a sequence (the prompt at once, then one token at a time) then gives
+    the rows of ``mha(x, x, x, is_causal=True)`` on the whole sequence.
 
-    ``window=W`` makes it a rolling cache for sliding-window attention: a
-    query at position p sees the keys at positions p-W+1..p only, and each
-    call keeps just the last W positions. ``seen`` counts the positions
-    processed so far (the position of the next token).
+    Three kinds, which differ in how they store, not in what they compute:
+
+    ``KVCache()``
+        concatenates: each call allocates new tensors for the stored and
+        the new keys and values (``torch.cat``) and copies all of them
+        into it, so a call after t positions copies t + n of them.
+    ``KVCache(capacity=N)``
+        preallocates: the first call allocates storage for N positions,
+        ``(B, G, N, head_dim)`` for keys and for values, in the dtype and
+        on the device of its keys; each call writes the new positions into
+        it in place and returns views of the filled part (no copy). More
+        than N positions raise a ValueError.
+    ``KVCache(window=W)``
+        a rolling buffer for sliding-window attention (a query at position
+        p sees keys p-W+1..p only): the first call allocates W slots, and
+        position p is written into slot p % W, over position p - W, which
+        no later query may see. Once the positions wrap around, the slots
+        are not in position order; attention does not depend on the order
+        of the keys, as long as each key keeps its value and its mask
+        entry, so ``update`` returns keys and values in slot order with the
+        mask computed from the position each slot holds
+        (``slot_positions``). A call that overwrites no key its queries
+        need (one new token, or a chunk that fits in the slots not yet
+        used) is written first and attends to the filled slots themselves,
+        a view; a longer chunk attends to the slots followed by its own
+        keys (a new tensor of at most W + n positions), and then its last
+        min(n, W) positions are written into their slots.
+
+    ``window`` and ``capacity`` together are refused: a rolling cache
+    holds its W slots. ``keys``, ``values`` (``(B, G, len(cache),
+    head_dim)``, None while empty) and ``len(cache)`` are the stored keys
+    and values in position order for every kind (a rolling cache that has
+    wrapped around returns a reordered copy); ``seen`` counts the positions
+    processed so far (the position of the next token), and
+    ``key_positions`` the positions of the keys the last ``update``
+    returned, in their order (a user's mask over those keys follows it).
+
+    The preallocated and rolling caches write into their storage in place:
+    they are for inference, under ``torch.no_grad()`` (or
+    ``torch.inference_mode()``). A later write would change keys that the
+    backward pass of earlier steps saved (autograd would then fail inside
+    ``backward()``), so given keys or values that require gradients while
+    autograd records, they raise a RuntimeError at once. The
+    concatenating cache supports autograd.
     """
 
-    def __init__(self, window: Optional[int] = None):
-        if window is not None and (
-                isinstance(window, bool) or not isinstance(window, int)
-                or window < 1):
-            raise ValueError(f"window must be a positive integer, got {window!r}")
+    def __init__(self, window: Optional[int] = None,
+                 capacity: Optional[int] = None):
+        for name, size in (("window", window), ("capacity", capacity)):
+            if size is not None and (isinstance(size, bool)
+                                     or not isinstance(size, int) or size < 1):
+                raise ValueError(f"{name} must be a positive integer, got {size!r}")
+        if window is not None and capacity is not None:
+            raise ValueError(
+                f"give window or capacity, not both (window={window}, "
+                f"capacity={capacity}): a rolling cache holds its {window} "
+                "slots and never needs more"
+            )
         self.window = window
-        self.keys: Optional[Tensor] = None
-        self.values: Optional[Tensor] = None
+        self.capacity = capacity
+        self._keys: Optional[Tensor] = None  # concatenating: the stored keys;
+        self._values: Optional[Tensor] = None  # otherwise the storage
+        self._slots: Optional[Tensor] = None  # rolling: position per slot
+        self.key_positions: Optional[Tensor] = None  # of the last update's keys
         self.seen = 0
+
+    @property
+    def kind(self) -> str:
+        """"concatenating", "preallocated" or "rolling"."""
+        if self.window is not None:
+            return "rolling"
+        return "concatenating" if self.capacity is None else "preallocated"
 
     def __len__(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[-2]
+        if self.kind == "concatenating":
+            return 0 if self._keys is None else self._keys.shape[-2]
+        return self.seen if self.kind == "preallocated" else min(self.seen, self.window)
 
-    def reset(self) -> None:
-        """Forget everything: the next call starts a new sequence."""
-        self.keys = self.values = None
+    def __repr__(self) -> str:
+        size = {"concatenating": "", "preallocated": f"capacity={self.capacity}, ",
+                "rolling": f"window={self.window}, "}[self.kind]
+        return f"KVCache({size}holds {len(self)} positions, seen={self.seen})"
+
+    @property
+    def keys(self) -> Optional[Tensor]:
+        """The stored keys ``(B, G, len(cache), head_dim)``, in position order."""
+        return self._in_order(self._keys)
+
+    @property
+    def values(self) -> Optional[Tensor]:
+        """The stored values ``(B, G, len(cache), head_dim)``, in position order."""
+        return self._in_order(self._values)
+
+    @property
+    def storage(self) -> tuple[Optional[Tensor], Optional[Tensor]]:
+        """The tensors the cache holds its keys and values in: for a
+        preallocated cache ``(B, G, capacity, head_dim)``, for a rolling one
+        ``(B, G, window, head_dim)`` in slot order, for a concatenating one
+        the stored keys and values themselves (None before the first call)."""
+        return self._keys, self._values
+
+    @property
+    def slot_positions(self) -> Optional[Tensor]:
+        """The position each row of ``storage`` holds, -1 for a row not
+        written yet (a copy; None before the first call). For a rolling
+        cache, slot s holds the latest position p with p % window == s."""
+        if self._keys is None:
+            return None
+        if self.kind == "rolling":
+            return self._slots.clone()
+        rows = torch.arange(self._keys.shape[-2], device=self._keys.device)
+        return torch.where(rows < len(self), rows, -1)
+
+    def _in_order(self, stored: Optional[Tensor]) -> Optional[Tensor]:
+        if stored is None or len(self) == 0:
+            return None
+        if self.kind == "concatenating":
+            return stored
+        if self.kind == "preallocated" or self.seen <= self.window:
+            return stored[..., :len(self), :]  # a view: slot p holds position p
+        oldest = self.seen % self.window  # the slot of position seen - window
+        return torch.cat([stored[..., oldest:, :], stored[..., :oldest, :]], dim=-2)
+
+    def reset(self, release: bool = False) -> None:
+        """Forget the positions: the next call starts a new sequence. A
+        preallocated or rolling cache keeps its storage for that sequence
+        (which must then have the same B, G, head_dim, dtype and device)
+        unless ``release=True``, which drops it; a concatenating cache
+        always drops its tensors."""
         self.seen = 0
+        self.key_positions = None
+        if release or self.kind == "concatenating":
+            self._keys = self._values = self._slots = None
+        elif self._slots is not None:
+            self._slots.fill_(-1)
 
     def update(
         self, key: Tensor, value: Tensor, *, is_causal: bool = True
     ) -> tuple[Tensor, Tensor, Tensor]:
-        """Append ``key``, ``value`` ``(B, G, n, head_dim)`` of n new tokens.
+        """Store ``key`` ``(B, G, n, head_dim)`` and ``value`` ``(B, G, n,
+        head_dim_v)`` of n new tokens, the positions ``seen .. seen + n - 1``.
 
-        Returns every key and value the new queries may see, ``(B, G, S,
-        head_dim)`` with S = stored + n, and the boolean ``(n, S)`` mask of
-        which ones each new query sees. Then keeps the last ``window``.
+        Returns every key and value the new queries may need, ``(B, G, S,
+        head_dim)``, and the boolean ``(n, S)`` mask of which ones each new
+        query sees. Concatenating and preallocated caches return them in
+        position order, S = stored + n (views of the storage for a
+        preallocated cache); a rolling cache returns them in the order of
+        its slots (see the class's docstring).
         """
-        if self.keys is not None:
-            old = tuple(self.keys.shape)
-            if (key.shape[:2] != self.keys.shape[:2]
-                    or key.shape[-1] != self.keys.shape[-1]):
+        self._check(key, value)
+        n, start = key.shape[-2], self.seen
+        if self.kind == "concatenating":
+            if self._keys is not None:
+                key = torch.cat([self._keys, key], dim=-2)
+                value = torch.cat([self._values, value], dim=-2)
+            self._keys, self._values = key, value
+            positions = torch.arange(start + n - key.shape[-2], start + n,
+                                     device=key.device)
+        elif self.kind == "preallocated":
+            if start + n > self.capacity:
                 raise ValueError(
-                    f"new keys {tuple(key.shape)} do not fit the cached "
-                    f"keys {old}: (B, G, head_dim) must agree; call reset() "
-                    "to start another sequence"
+                    f"the cache holds {start} positions and {n} new ones do not "
+                    f"fit its capacity of {self.capacity}: {start} + {n} > "
+                    f"{self.capacity}; create it with a larger capacity"
                 )
-            key = torch.cat([self.keys, key], dim=-2)
-            value = torch.cat([self.values, value], dim=-2)
-        n, S = value.shape[-2] - len(self), value.shape[-2]
-        query_pos = torch.arange(self.seen, self.seen + n, device=key.device)
-        key_pos = torch.arange(self.seen + n - S, self.seen + n,
-                               device=key.device)
-        back = query_pos[:, None] - key_pos[None, :]  # (n, S): steps back
-        visible = (back >= 0) if is_causal else torch.ones_like(back, dtype=torch.bool)
-        if self.window is not None:
-            visible &= back < self.window
-        keep = S if self.window is None else min(S, self.window)
-        self.keys, self.values = key[..., S - keep:, :], value[..., S - keep:, :]
+            self._allocate(key, value, self.capacity)
+            self._keys[..., start:start + n, :] = key  # in place: no new tensor
+            self._values[..., start:start + n, :] = value
+            key = self._keys[..., :start + n, :]  # views of the filled part
+            value = self._values[..., :start + n, :]
+            positions = torch.arange(start + n, device=key.device)
+        else:
+            key, value, positions = self._roll(key, value)
         self.seen += n
-        return key, value, visible
+        self.key_positions = positions
+        S = positions.shape[0]
+        if self.window is None:  # keys at positions 0 .. start + n - 1, in order
+            visible = torch.ones(n, S, dtype=torch.bool, device=key.device)
+            return key, value, visible.tril(S - n) if is_causal else visible
+        query_pos = torch.arange(start, start + n, device=key.device)
+        back = query_pos[:, None] - positions[None, :]  # (n, S): steps back
+        visible = back < self.window
+        return key, value, visible & (back >= 0) if is_causal else visible
+
+    def _roll(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The rolling cache's update: (keys, values, their positions)."""
+        W, start, n = self.window, self.seen, key.shape[-2]
+        self._allocate(key, value, W)
+        held = min(start, W)  # slots in use before this call
+        if n == 1 or start + n <= W:
+            # Writing first overwrites only positions no new query may see
+            # (with n = 1, position start - W), so attend to the slots.
+            self._write(key, value, start)
+            filled = min(start + n, W)
+            return (self._keys[..., :filled, :], self._values[..., :filled, :],
+                    self._slots[:filled].clone())
+        # A chunk that wraps around: its first queries still need keys that
+        # its later positions will overwrite, so attend to the slots as they
+        # are, followed by the chunk's own keys, and write afterwards.
+        keys = torch.cat([self._keys[..., :held, :], key], dim=-2)
+        values = torch.cat([self._values[..., :held, :], value], dim=-2)
+        positions = torch.cat([self._slots[:held],
+                               torch.arange(start, start + n, device=key.device)])
+        keep = min(n, W)  # the chunk's last positions, which the slots keep
+        self._write(key[..., n - keep:, :], value[..., n - keep:, :], start + n - keep)
+        return keys, values, positions
+
+    def _write(self, key: Tensor, value: Tensor, first: int) -> None:
+        """Write m <= window positions first, first + 1, ... into their
+        slots, in place: at most two slices, where the ring wraps."""
+        W, m = self.window, key.shape[-2]
+        slot = first % W
+        a = min(m, W - slot)  # positions up to the end of the slots
+        self._keys[..., slot:slot + a, :] = key[..., :a, :]
+        self._values[..., slot:slot + a, :] = value[..., :a, :]
+        self._keys[..., :m - a, :] = key[..., a:, :]
+        self._values[..., :m - a, :] = value[..., a:, :]
+        positions = torch.arange(first, first + m, device=self._slots.device)
+        self._slots[slot:slot + a] = positions[:a]
+        self._slots[:m - a] = positions[a:]
+
+    def _allocate(self, key: Tensor, value: Tensor, rows: int) -> None:
+        """The storage, on the first call (or after ``reset(release=True)``)."""
+        if self._keys is not None:
+            return
+        B, G, _, d_k = key.shape
+        place = {"dtype": key.dtype, "device": key.device}
+        self._keys = torch.empty(B, G, rows, d_k, **place)
+        self._values = torch.empty(B, G, rows, value.shape[-1], **place)
+        if self.kind == "rolling":
+            self._slots = torch.full((rows,), -1, dtype=torch.long, device=key.device)
+
+    def _check(self, key: Tensor, value: Tensor) -> None:
+        shapes = f"key {_describe(key)}, value {_describe(value)}"
+        if not (isinstance(key, Tensor) and isinstance(value, Tensor)
+                and key.dim() == value.dim() == 4):
+            raise ValueError("KVCache.update expects 4-D (B, G, n, head_dim) keys "
+                             f"and values; got {shapes}")
+        if key.shape[:3] != value.shape[:3]:
+            raise ValueError(
+                f"keys and values must agree in (B, G, n); got {shapes}")
+        if self.kind != "concatenating" and (key.dtype != value.dtype
+                                             or key.device != value.device):
+            raise ValueError(
+                f"keys and values must share a dtype and a device; got {shapes} "
+                f"on {key.device} and {value.device}")
+        if self.kind != "concatenating" and torch.is_grad_enabled() and (
+                key.requires_grad or value.requires_grad):
+            raise RuntimeError(
+                f"a {self.kind} KVCache writes into its storage in place and is for "
+                "inference: call the model under torch.no_grad(), or use KVCache() "
+                "(which concatenates) to differentiate through the cache")
+        if self._keys is None:
+            return
+        stored_k, stored_v = self._keys, self._values
+        if (key.shape[:2] != stored_k.shape[:2] or key.shape[-1] != stored_k.shape[-1]
+                or value.shape[-1] != stored_v.shape[-1]):
+            held = (f"the cached keys {tuple(self.keys.shape)}" if len(self) else
+                    f"the cache's storage {tuple(stored_k.shape)}")
+            raise ValueError(
+                f"new keys {tuple(key.shape)} do not fit {held}: (B, G, head_dim) "
+                "must agree; call reset(release=True), or use another cache, to "
+                "start a sequence of another shape")
+        if self.kind != "concatenating" and (key.dtype != stored_k.dtype
+                                             or key.device != stored_k.device):
+            raise ValueError(
+                f"new keys of dtype {key.dtype} on {key.device} do not fit the "
+                f"cache's storage of dtype {stored_k.dtype} on {stored_k.device}")
 
 
 # -------------------------------------------------------------------- plotting

@@ -18,7 +18,12 @@ CHUNKINGS = {  # how a sequence of 10 tokens is fed to the cache
     "prompt, then one at a time": [4, 1, 1, 1, 1, 1, 1],
     "one at a time": [1] * 10,
     "chunks of 3": [3, 3, 3, 1],
+    "one, then chunks longer than a window": [1, 5, 4],
+    "two, then eight": [2, 8],
 }
+# The three kinds of cache (a rolling one for each window the tests try), as KVCache's arguments.
+KINDS = {"concatenating": {}, "preallocated": {"capacity": 10},
+         **{f"rolling, window {w}": {"window": w} for w in (1, 3, 4, 12)}}
 
 
 def mha(num_heads=4, num_kv_heads=None, d_model=16, dtype=torch.float64, seed=0):
@@ -31,11 +36,13 @@ def tokens(B=2, T=10, d_model=16, dtype=torch.float64, seed=1):
 
 
 def decode(model, x, sizes, cache, **kwargs):
-    """Feed x in chunks of the given sizes through one cache; the outputs and weights."""
+    """Feed x in chunks of the given sizes through one cache (without autograd, as a decoder
+    runs); the outputs and weights."""
     outs, weights, start = [], [], 0
     for n in sizes:
         chunk = x[:, start:start + n]
-        out, w = model(chunk, chunk, chunk, cache=cache, **kwargs)
+        with torch.no_grad():
+            out, w = model(chunk, chunk, chunk, cache=cache, **kwargs)
         outs.append(out)
         weights.append(w)
         start += n
@@ -88,25 +95,48 @@ class TestGroupedQueryAttention:
             repeat_kv(torch.zeros(1, 2, 3, 4), 0)
 
 
+def full_weights_at(full_w, start, positions):
+    """The rows start.. of the full weights (B, H, T, T), their columns picked in the order of
+    the cache's keys: what a cached chunk's weights must equal."""
+    return full_w[..., start:, :][..., positions]
+
+
 class TestKVCache:
     @pytest.mark.parametrize("num_kv_heads", [4, 2, 1], ids=["MHA", "GQA", "MQA"])
     @pytest.mark.parametrize("chunking", CHUNKINGS, ids=list(CHUNKINGS))
+    @pytest.mark.parametrize("kind", KINDS, ids=list(KINDS))
     @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-    def test_cached_decoding_equals_full_causal_attention(self, num_kv_heads, chunking, dtype):
+    def test_every_cache_equals_the_full_computation(self, num_kv_heads, chunking, kind, dtype):
+        """Outputs and weights of every chunk, for every kind of cache, are those of the whole
+        sequence at once, under the causal mask or the sliding window's."""
         m = mha(num_kv_heads=num_kv_heads, dtype=dtype)
         x = tokens(dtype=dtype)
-        full, full_w = m(x, x, x, is_causal=True)
-        cache = KVCache()
-        out, weights = decode(m, x, CHUNKINGS[chunking], cache, is_causal=True)
-        torch.testing.assert_close(out, full, **EQUAL[dtype])
-        start = 0
-        for w in weights:  # each chunk's weights are the full map's rows, up to the chunk's end
-            n, S = w.shape[-2:]
-            assert S == start + n
-            torch.testing.assert_close(w, full_w[..., start:start + n, :S], **EQUAL[dtype])
+        window = KINDS[kind].get("window")
+        full, full_w = m(x, x, x, attn_mask=causal_mask(10, window=window))
+        cache = KVCache(**KINDS[kind])
+        outs, start = [], 0
+        for n in CHUNKINGS[chunking]:
+            chunk = x[:, start:start + n]
+            with torch.no_grad():
+                out, w = m(chunk, chunk, chunk, is_causal=True, cache=cache)
+            positions = cache.key_positions  # the position of each key the chunk was given
+            assert w.shape[-1] == len(positions) and len(set(positions.tolist())) == len(positions)
+            torch.testing.assert_close(  # each chunk's weights are the full map's rows
+                w, full_weights_at(full_w, start, positions)[..., :n, :], **EQUAL[dtype])
+            if kind == "concatenating" or kind == "preallocated":  # in order: every key so far
+                assert positions.tolist() == list(range(start + n))
+            outs.append(out)
             start += n
-        assert len(cache) == cache.seen == 10
-        assert cache.keys.shape == cache.values.shape == (2, num_kv_heads, 10, 4)
+        torch.testing.assert_close(torch.cat(outs, 1), full, **EQUAL[dtype])
+        held = 10 if window is None else min(window, 10)
+        assert len(cache) == held and cache.seen == 10
+        assert cache.keys.shape == cache.values.shape == (2, num_kv_heads, held, 4)
+        with torch.no_grad():  # in position order, whatever the storage's order
+            torch.testing.assert_close(cache.keys, m.split_heads(m.k_proj(x))[:, :, 10 - held:],
+                                       **EQUAL[dtype])
+            torch.testing.assert_close(cache.values,
+                                       m.split_heads(m.v_proj(x))[:, :, 10 - held:],
+                                       **EQUAL[dtype])
 
     def test_cache_holds_the_projected_keys_and_values(self):
         m, x = mha(num_kv_heads=2), tokens()
@@ -144,21 +174,48 @@ class TestKVCache:
         # Sequence 1's first three queries see no key at all: both give zero weights there.
         torch.testing.assert_close(torch.cat(outs, 1), full, **EQUAL[torch.float64])
 
-    def test_reset_starts_a_new_sequence(self):
+    @pytest.mark.parametrize("kind", KINDS, ids=list(KINDS))
+    def test_reset_starts_a_new_sequence(self, kind):
         m, x = mha(), tokens()
-        cache = KVCache()
+        cache = KVCache(**KINDS[kind])
         decode(m, x, [10], cache, is_causal=True)
+        storage = cache.storage[0]
         cache.reset()
-        assert len(cache) == cache.seen == 0 and cache.keys is None
+        assert len(cache) == cache.seen == 0 and cache.keys is None and cache.values is None
+        # A preallocated or rolling cache keeps its storage for the next sequence.
+        assert (cache.storage[0] is storage) == (kind != "concatenating")
         out, _ = decode(m, x, [2, 8], cache, is_causal=True)
-        torch.testing.assert_close(out, m(x, x, x, is_causal=True)[0], **EQUAL[torch.float64])
+        window = KINDS[kind].get("window")
+        torch.testing.assert_close(out, m(x, x, x, attn_mask=causal_mask(10, window=window))[0],
+                                   **EQUAL[torch.float64])
+        if kind != "concatenating":
+            assert cache.storage[0].data_ptr() == storage.data_ptr()
+            cache.reset(release=True)
+            assert cache.storage == (None, None) and cache.slot_positions is None
 
-    def test_rejects_a_batch_of_another_size(self):
+    @pytest.mark.parametrize("kind", KINDS, ids=list(KINDS))
+    def test_rejects_a_batch_of_another_size(self, kind):
         m, x = mha(), tokens()
-        cache = KVCache()
-        m(x, x, x, is_causal=True, cache=cache)
-        with pytest.raises(ValueError, match=r"do not fit the cached keys \(2, 4, 10, 4\)"):
-            m(x[:1], x[:1], x[:1], is_causal=True, cache=cache)
+        cache = KVCache(**KINDS[kind])
+        with torch.no_grad():
+            m(x, x, x, is_causal=True, cache=cache)
+        held = len(cache)
+        with pytest.raises(ValueError, match=rf"do not fit the cached keys \(2, 4, {held}, 4\)"):
+            with torch.no_grad():
+                m(x[:1], x[:1], x[:1], is_causal=True, cache=cache)
+
+    @pytest.mark.parametrize("kind", ["preallocated", "rolling, window 4"])
+    def test_after_reset_another_shape_needs_release(self, kind):
+        cache = KVCache(**KINDS[kind])
+        k = torch.zeros(2, 4, 3, 8)
+        cache.update(k, k)
+        cache.reset()
+        with pytest.raises(ValueError, match=r"do not fit the cache's storage \(2, 4, \d+, 8\)"
+                                             r".*reset\(release=True\)"):
+            cache.update(k[:1], k[:1])
+        cache.reset(release=True)
+        cache.update(k[:1], k[:1])  # a new storage, for one sequence
+        assert cache.storage[0].shape[0] == 1
 
     def test_rejects_cross_attention(self):
         m, x = mha(), tokens()
@@ -178,25 +235,187 @@ class TestSlidingWindow:
     def test_window_must_be_positive(self, window):
         with pytest.raises(ValueError, match="positive integer"):
             causal_mask(4, window=window)
-        with pytest.raises(ValueError, match="positive integer"):
+        with pytest.raises(ValueError, match="window must be a positive integer"):
             KVCache(window=window)
 
-    @pytest.mark.parametrize("num_kv_heads", [4, 1])
     @pytest.mark.parametrize("window", [1, 3, 4, 12])
-    @pytest.mark.parametrize("chunking", CHUNKINGS, ids=list(CHUNKINGS))
-    def test_rolling_cache_equals_the_window_mask(self, num_kv_heads, window, chunking):
-        m, x = mha(num_kv_heads=num_kv_heads), tokens()
+    def test_concatenating_and_rolling_caches_agree(self, window):
+        """The same keys reach attention, in another order: the same outputs."""
+        m, x = mha(num_kv_heads=1), tokens()
+        ring, out_ring, start = KVCache(window=window), [], 0
+        for n in [3, 1, 1, 5]:
+            chunk = x[:, start:start + n]
+            with torch.no_grad():
+                out_ring.append(m(chunk, chunk, chunk, is_causal=True, cache=ring)[0])
+            start += n
         full, _ = m(x, x, x, attn_mask=causal_mask(10, window=window))
-        cache = KVCache(window=window)
-        out, _ = decode(m, x, CHUNKINGS[chunking], cache, is_causal=True)
-        torch.testing.assert_close(out, full, **EQUAL[torch.float64])
-        assert len(cache) == min(window, 10) and cache.seen == 10
-        torch.testing.assert_close(cache.keys, m.split_heads(m.k_proj(x))[:, :, -len(cache):],
-                                   **EQUAL[torch.float64])
+        torch.testing.assert_close(torch.cat(out_ring, 1), full, **EQUAL[torch.float64])
+
+
+class TestPreallocatedCache:
+    def test_allocates_once_and_returns_views(self):
+        """The storage is allocated by the first call, in its keys' dtype, and never again:
+        every call writes into it and returns views of the filled part."""
+        m, x = mha(num_kv_heads=2, dtype=torch.float32), tokens(dtype=torch.float32)
+        cache = KVCache(capacity=16)
+        assert cache.storage == (None, None) and cache.kind == "preallocated"
+        addresses = set()
+        start = 0
+        for n in [4, 1, 1, 3, 1]:
+            k, v = torch.randn(2, 2, n, 4), torch.randn(2, 2, n, 4)
+            keys, values, visible = cache.update(k, v)
+            storage_k, storage_v = cache.storage
+            assert storage_k.shape == storage_v.shape == (2, 2, 16, 4)
+            assert storage_k.dtype == torch.float32
+            addresses.add((storage_k.data_ptr(), storage_v.data_ptr()))
+            assert keys.data_ptr() == storage_k.data_ptr() and keys._base is storage_k  # a view
+            assert values._base is storage_v and keys.shape[-2] == start + n
+            assert torch.equal(keys[..., start:, :], k) and torch.equal(values[..., start:, :], v)
+            assert torch.equal(visible, torch.ones(n, start + n, dtype=torch.bool).tril(start))
+            start += n
+        assert len(addresses) == 1  # never reallocated
+        assert cache.keys._base is storage_k and len(cache) == 10
+        assert cache.slot_positions.tolist() == list(range(10)) + [-1] * 6
+
+    def test_float64_storage_follows_the_first_keys(self):
+        cache = KVCache(capacity=3)
+        cache.update(torch.zeros(1, 1, 1, 2, dtype=torch.float64),
+                     torch.zeros(1, 1, 1, 2, dtype=torch.float64))
+        assert cache.storage[0].dtype == torch.float64
+        with pytest.raises(ValueError, match="dtype torch.float32.*storage of dtype torch.float64"):
+            cache.update(torch.zeros(1, 1, 1, 2), torch.zeros(1, 1, 1, 2))
+
+    def test_exceeding_the_capacity_names_the_sizes(self):
+        cache = KVCache(capacity=10)
+        k = torch.zeros(1, 2, 8, 4)
+        cache.update(k, k)
+        with pytest.raises(ValueError, match="holds 8 positions and 3 new ones do not fit its "
+                                             "capacity of 10"):
+            cache.update(k[..., :3, :], k[..., :3, :])
+        assert len(cache) == cache.seen == 8  # the refused call changed nothing
+        cache.update(k[..., :2, :], k[..., :2, :])  # exactly full is fine
+        assert len(cache) == 10
+        with pytest.raises(ValueError, match="holds 0 positions and 8 new ones do not fit its "
+                                             "capacity of 1"):
+            KVCache(capacity=1).update(k, k)  # on the first call too
+
+    def test_says_what_it_holds(self):
+        cache = KVCache(capacity=8)
+        assert repr(cache) == "KVCache(capacity=8, holds 0 positions, seen=0)"
+        cache.update(torch.zeros(1, 1, 3, 2), torch.zeros(1, 1, 3, 2))
+        assert repr(cache) == "KVCache(capacity=8, holds 3 positions, seen=3)"
+        assert cache.key_positions.tolist() == [0, 1, 2]
+        ring = KVCache(window=2)
+        ring.update(torch.zeros(1, 1, 3, 2), torch.zeros(1, 1, 3, 2))
+        assert repr(ring) == "KVCache(window=2, holds 2 positions, seen=3)"
+        assert repr(KVCache()) == "KVCache(holds 0 positions, seen=0)"
+
+    @pytest.mark.parametrize("capacity", [0, -3, 2.5, True])
+    def test_capacity_must_be_positive(self, capacity):
+        with pytest.raises(ValueError, match="capacity must be a positive integer"):
+            KVCache(capacity=capacity)
+
+
+class TestRollingCache:
+    @pytest.mark.parametrize("window", [1, 3, 4])
+    @pytest.mark.parametrize("chunking", CHUNKINGS, ids=list(CHUNKINGS))
+    def test_position_p_is_in_slot_p_mod_w(self, window, chunking):
+        """After every call, slot s holds the latest position p with p % W == s (or -1 while
+        empty), and its row of the storage is that position's key and value."""
+        m, x = mha(num_kv_heads=2), tokens()
+        with torch.no_grad():
+            k_all, v_all = m.split_heads(m.k_proj(x)), m.split_heads(m.v_proj(x))  # (B, G, T, 4)
+        cache, start = KVCache(window=window), 0
+        for n in CHUNKINGS[chunking]:
+            chunk = x[:, start:start + n]
+            with torch.no_grad():
+                m(chunk, chunk, chunk, is_causal=True, cache=cache)
+            start += n
+            slots = cache.slot_positions
+            expected = [max((p for p in range(start) if p % window == s), default=-1)
+                        for s in range(window)]
+            assert slots.tolist() == expected
+            storage_k, storage_v = cache.storage
+            assert storage_k.shape == (2, 2, window, 4)
+            for s, p in enumerate(expected):
+                if p >= 0:
+                    assert torch.equal(storage_k[:, :, s], k_all[:, :, p])
+                    assert torch.equal(storage_v[:, :, s], v_all[:, :, p])
+
+    def test_allocates_once_and_one_token_attends_to_the_slots_themselves(self):
+        cache, W = KVCache(window=4), 4
+        pointers = set()
+        for t in range(11):
+            k = torch.full((1, 1, 1, 2), float(t))
+            keys, values, visible = cache.update(k, k)
+            pointers.add(cache.storage[0].data_ptr())
+            assert keys._base is cache.storage[0]  # a view of the slots: nothing copied
+            assert keys.shape[-2] == min(t + 1, W) and bool(visible.all())
+            assert keys[0, 0, :, 0].tolist() == cache.key_positions.tolist()  # slot order
+            assert cache.keys[0, 0, :, 0].tolist() == list(range(max(0, t - 3), t + 1))
+        assert len(pointers) == 1
+        assert cache.slot_positions.tolist() == [8, 9, 10, 7]  # 10 % 4 = 2 is the newest
+
+    def test_a_chunk_that_wraps_attends_to_the_slots_then_its_own_keys(self):
+        cache = KVCache(window=3)
+        keys = [torch.full((1, 1, n, 1), 0.0) + torch.arange(a, a + n).view(1, 1, n, 1)
+                for a, n in ((0, 4), (4, 2))]
+        cache.update(keys[0], keys[0])
+        assert cache.slot_positions.tolist() == [3, 1, 2]
+        k, _, visible = cache.update(keys[1], keys[1])  # positions 4 and 5
+        assert k[0, 0, :, 0].tolist() == [3, 1, 2, 4, 5] == cache.key_positions.tolist()
+        # Query 4 sees 2, 3, 4; query 5 sees 3, 4, 5 (window 3): from the positions, not order.
+        assert visible.tolist() == [[True, False, True, True, False],
+                                    [True, False, False, True, True]]
+        assert cache.slot_positions.tolist() == [3, 4, 5]
 
     def test_memory_stays_bounded(self):
         m, x = mha(), tokens(T=10)
         cache = KVCache(window=3)
         for t in range(10):
-            m(x[:, t:t + 1], x[:, t:t + 1], x[:, t:t + 1], is_causal=True, cache=cache)
-            assert len(cache) == min(t + 1, 3)
+            with torch.no_grad():
+                m(x[:, t:t + 1], x[:, t:t + 1], x[:, t:t + 1], is_causal=True, cache=cache)
+            assert len(cache) == min(t + 1, 3) and cache.storage[0].shape[-2] == 3
+
+    def test_window_and_capacity_together_are_refused(self):
+        with pytest.raises(ValueError, match=r"window or capacity, not both \(window=4, "
+                                             r"capacity=100\).*4 slots"):
+            KVCache(window=4, capacity=100)
+
+
+class TestCacheInputs:
+    @pytest.mark.parametrize("kind", KINDS, ids=list(KINDS))
+    def test_bad_shapes_are_refused_with_their_shapes(self, kind):
+        cache = KVCache(**KINDS[kind])
+        with pytest.raises(ValueError, match=r"4-D \(B, G, n, head_dim\).*key tensor of shape "
+                                             r"\(2, 5, 4\).*value tensor of shape \(2, 5, 4\)"):
+            cache.update(torch.zeros(2, 5, 4), torch.zeros(2, 5, 4))
+        with pytest.raises(ValueError, match=r"agree in \(B, G, n\).*\(1, 2, 5, 4\).*"
+                                             r"\(1, 2, 4, 4\)"):
+            cache.update(torch.zeros(1, 2, 5, 4), torch.zeros(1, 2, 4, 4))
+        cache.update(torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4))
+        with pytest.raises(ValueError, match=rf"new keys \(1, 2, 1, 8\) do not fit the cached "
+                                             rf"keys \(1, 2, {len(cache)}, 4\)"):
+            cache.update(torch.zeros(1, 2, 1, 8), torch.zeros(1, 2, 1, 8))
+        assert cache.seen == 3  # nothing was stored by the refused calls
+
+    @pytest.mark.parametrize("kind", ["preallocated", "rolling, window 3", "rolling, window 12"])
+    def test_in_place_caches_refuse_autograd_clearly(self, kind):
+        """A write in place would change tensors that earlier steps saved for the backward pass
+        (autograd then fails deep inside backward()); the cache says so on the first call."""
+        m, x = mha(), tokens()
+        with pytest.raises(RuntimeError, match=r"in place and is for inference.*torch.no_grad"):
+            m(x, x, x, is_causal=True, cache=KVCache(**KINDS[kind]))
+        with torch.inference_mode():  # as under no_grad
+            m(x, x, x, is_causal=True, cache=KVCache(**KINDS[kind]))
+
+    def test_the_concatenating_cache_gives_the_full_gradient(self):
+        m = mha(num_kv_heads=2)
+        x = tokens().requires_grad_()
+        full, _ = m(x, x, x, is_causal=True)
+        cache, outs = KVCache(), []
+        for a, b in ((0, 4), (4, 5), (5, 10)):
+            outs.append(m(x[:, a:b], x[:, a:b], x[:, a:b], is_causal=True, cache=cache)[0])
+        grad_full, = torch.autograd.grad(full.square().sum(), x)
+        grad_cached, = torch.autograd.grad(torch.cat(outs, 1).square().sum(), x)
+        torch.testing.assert_close(grad_cached, grad_full, **EQUAL[torch.float64])
