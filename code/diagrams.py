@@ -704,11 +704,16 @@ def kv_cache_diagram(mha: MultiHeadAttention, cache: KVCache, x_new: Tensor, *,
         q = mha.split_heads(mha.q_proj(x_new))  # (B, H, 1, d_h)
         k = mha.split_heads(mha.k_proj(x_new))  # (B, G, 1, d_h)
         v = mha.split_heads(mha.v_proj(x_new))  # (B, G, 1, d_h)
-        _, _, visible = copy.deepcopy(cache).update(k, v, is_causal=True)  # (1, S)
+        probe = copy.deepcopy(cache)
+        _, _, visible = probe.update(k, v, is_causal=True)  # (1, S)
         step = copy.deepcopy(cache)
         out, weights = mha(x_new, x_new, x_new, is_causal=True, cache=step)
     after = _shape(step.keys)
-    seen = list(range(position + 1 - visible.shape[-1], position + 1))  # the keys q is given
+    # the keys q is given, drawn in position order (a ring gives them in slot order, which
+    # attention does not care about)
+    order = torch.argsort(probe.key_positions)
+    seen = probe.key_positions[order].tolist()
+    visible = visible[:, order]
     H, G = mha.num_heads, mha.num_kv_heads
     kv = "G" if G != H else "H"
 
@@ -749,7 +754,8 @@ def kv_cache_diagram(mha: MultiHeadAttention, cache: KVCache, x_new: Tensor, *,
     d.text(x_v + 0.12, (rows - 0.65 + y_v) / 2, "append", ha="left")
     _arrow(d, (x_v, y_v), (x_end, y_v))
     grows = (f"grows to {_named(['B', kv, 'T+1', 'd_h'], after)}" if cache.window is None else
-             f"keeps its last W = {cache.window}: {after}")
+             f"keeps W = {cache.window} slots: {after};\nposition {position} overwrites "
+             f"slot {position % cache.window}")
     d.text(x0 - 1.85, (y_k + y_v) / 2, "each cache " + _named(["B", kv, "T", "d_h"], before)
            + "\n" + grows, ha="left")
     y_note = y_v - cell / 2 - 0.15
@@ -757,7 +763,9 @@ def kv_cache_diagram(mha: MultiHeadAttention, cache: KVCache, x_new: Tensor, *,
            "the new token's cells outlined", ha="left", va="top")
     _frame(d, x_frame[0], y_note - 0.85, x_frame[1], y_k + cell / 2 + 0.25)
     attend = (f"q attends over all T+1 = {len(seen)} keys and values in the cache\nweights "
-              + _named(["B", "H", "1", "T+1"], _shape(weights)))
+              + _named(["B", "H", "1", "T+1"], _shape(weights))) if cache.window is None else (
+        f"q attends over the ring's {len(seen)} slots, positions {seen[0]} to {seen[-1]}\n"
+        "weights " + _named(["B", "H", "1", "W"], _shape(weights)))
     attend += ("; no mask: the new token\nis the newest position, it may see every key"
                if bool(visible.all()) else f"; the {int(visible.sum())} inside the window"
                f"\nget weights, the older ones (grey) none")

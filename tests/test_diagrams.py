@@ -232,15 +232,19 @@ def test_kv_cache_labels_the_cache_before_and_after_the_step(D, H, G, T, B):
     assert "no mask" in text
 
 
-def test_kv_cache_with_a_window_greys_the_keys_outside_it():
+def test_kv_cache_with_a_window_draws_the_ring_after_the_new_token_is_written():
     mha = MultiHeadAttention(16, 2)
     cache, x_new = cached(mha, 9, window=4)
     fig = dg.kv_cache_diagram(mha, cache, x_new)
     text = labels(fig)
-    assert "keeps its last W = 4: (1, 2, 4, 8)" in text and "the 4 inside the window" in text
+    # position 9 overwrites slot 9 % 4 = 1 (position 5), then attends to the four slots
+    assert "keeps W = 4 slots: (1, 2, 4, 8)" in text and "slot 1" in text
+    assert "the ring's 4 slots, positions 6 to 9" in text and "no mask" in text
+    drawn = [t.get_text() for t in dg.drawing(fig).cell_texts if t.get_text().isdigit()]
+    assert drawn == ["6", "7", "8", "9"] * 2  # K and V, in position order
     grey = [t.get_text() for t, c in zip(dg.drawing(fig).cell_texts, dg.drawing(fig).cells)
             if c.get_facecolor()[:3] == to_rgb(dg.FILLS["skipped"])]
-    assert grey == ["5", "5"]  # position 5 is given to the query (K and V) but outside the window
+    assert grey == []  # the ring never gives the query a key outside its window
 
 
 # --- chapter 10: FlashAttention's tiles -----------------------------------------------------------

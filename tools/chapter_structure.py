@@ -30,8 +30,9 @@ CHAPTER_DOC = re.compile(r"chapters/\d\d-[\w-]+$")  # a numbered chapter's docna
 
 # The book's code, every file of code/, in the order a notebook imports it: the module, its
 # siblings of Part III (which may import it), the diagrams (drawn from all of them), Part IV's
-# induction heads (which fetches trained models from beside the code), the explorable figures' helper, the checks' machinery, and each chapter's checks
-# (checks_<chapter>.py, which import all of those).
+# induction heads (which fetches trained models from beside the code), the explorable
+# figures' helper, the checks' machinery, and each chapter's checks (checks_<chapter>.py,
+# which import all of those).
 TEACHING_FILES = ("attention.py", "position.py", "flash.py", "transformer.py", "diagrams.py",
                   "induction.py", "explorable.py")
 CHECKING_FILE = "checking.py"
