@@ -594,6 +594,18 @@ def _activation_name(activation) -> str:
     return getattr(activation, "__name__", type(activation).__name__)
 
 
+def _stack_end(d: Drawing, x, top, norm: bool) -> float:
+    """The stream leaving a stack at ``top``, through the stack's final LayerNorm if it has
+    one; returns the height where the stream continues."""
+    y = top + 0.95
+    _line(d, [x, x], [top, y], width=STREAM)
+    if norm:
+        ln = _box(d, x, y + 0.5, 2.6, 0.55, "LayerNorm", "norm", size=SMALL)
+        _line(d, [x, x], [y, ln.y - ln.h / 2], width=STREAM)
+        y = ln.y + ln.h / 2
+    return y
+
+
 def encoder_decoder_diagram(model: nn.Transformer, *, n_vocab: Optional[int] = None,
                             ax: Optional[Axes] = None) -> Figure:
     """The encoder-decoder Transformer of ``model``, a ``torch.nn.Transformer``, bottom to top.
@@ -641,13 +653,7 @@ def encoder_decoder_diagram(model: nn.Transformer, *, n_vocab: Optional[int] = N
         d.text(outer - side * 0.15, top + 0.6, f"{name} block × {n}", ha="right" if side == 1
                else "left", va="top", weight="bold")
     # The final norms (an nn.Transformer has one after each stack) and the encoder's output.
-    y = enc_top
-    _line(d, [xe, xe], [y, y + 0.95], width=STREAM)
-    y += 0.95
-    if enc.norm is not None:
-        ln = _box(d, xe, y + 0.5, 2.6, 0.55, "LayerNorm", "norm", size=SMALL)
-        _line(d, [xe, xe], [y, ln.y - ln.h / 2], width=STREAM)
-        y = ln.y + ln.h / 2
+    y = _stack_end(d, xe, enc_top, enc.norm is not None)
     cross = dec_boxes[subs[1][0]]
     x_route = (xe + xd) / 2
     y_route = y + 0.5
@@ -656,13 +662,7 @@ def encoder_decoder_diagram(model: nn.Transformer, *, n_vocab: Optional[int] = N
            offset=0.1)
     d.text(xe - 0.2, y_route + 0.15, "encoder output (B, S, d_model): the keys and\nvalues of "
            "every decoder block's cross-attention", ha="left", va="bottom")
-    y = dec_top
-    _line(d, [xd, xd], [y, y + 0.95], width=STREAM)
-    y += 0.95
-    if dec.norm is not None:
-        ln = _box(d, xd, y + 0.5, 2.6, 0.55, "LayerNorm", "norm", size=SMALL)
-        _line(d, [xd, xd], [y, ln.y - ln.h / 2], width=STREAM)
-        y = ln.y + ln.h / 2
+    y = _stack_end(d, xd, dec_top, dec.norm is not None)
     lin = _box(d, xd, y + 0.95, 4.4, 0.9, f"Linear d_model → n_vocab\n({D} → {vocab})",
                "linear", size=SMALL)
     _arrow(d, (xd, y), (xd, lin.y - 0.45))
