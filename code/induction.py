@@ -32,12 +32,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import hashlib
-import json
 import math
-import os
 import pathlib
-import urllib.request
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
@@ -45,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+import stored
 from attention import MultiHeadAttention
 
 __all__ = [
@@ -54,6 +51,7 @@ __all__ = [
     "evaluation_sets",
     "AttentionOnly",
     "ablate",
+    "silence_heads",
     "previous_token_score",
     "induction_score",
     "repeated_loss",
@@ -250,23 +248,30 @@ class AttentionOnly(nn.Module):
 
 
 def ablate(model: AttentionOnly, heads: Iterable[tuple[int, int]]) -> AttentionOnly:
-    """A copy of ``model`` in which each head ``(layer, head)`` of ``heads`` writes nothing.
+    """A copy of ``model`` in which each head ``(layer, head)`` of ``heads`` writes nothing
+    (``silence_heads``). Its attention weights are unchanged."""
+    ablated = copy.deepcopy(model)
+    silence_heads(list(ablated.layers), heads)
+    return ablated
+
+
+def silence_heads(attentions: list[MultiHeadAttention], heads: Iterable[tuple[int, int]]) -> None:
+    """Zero, in place, the output of each head ``(layer, head)`` of ``heads``, where
+    ``attentions[layer]`` is that layer's ``MultiHeadAttention``.
 
     A layer's output is its heads' outputs side by side, ``(B, T, H * d_h)``, times W_O;
     head h's output meets only the d_h columns of ``out_proj.weight`` (rows of W_O in the
     book's notation) from h * d_h on, so zeroing those zeroes the head's contribution and
-    nothing else. Its attention weights are unchanged.
+    nothing else.
     """
-    ablated = copy.deepcopy(model)
     for layer, head in heads:
-        if not (0 <= layer < len(model.layers) and 0 <= head < model.config.n_heads):
+        if not (0 <= layer < len(attentions) and 0 <= head < attentions[0].num_heads):
             raise ValueError(f"no head ({layer}, {head}): the model has "
-                             f"{len(model.layers)} layers of {model.config.n_heads} heads")
-        attn = ablated.layers[layer]
+                             f"{len(attentions)} layers of {attentions[0].num_heads} heads")
+        attn = attentions[layer]
         width = attn.head_dim
         with torch.no_grad():
             attn.out_proj.weight[:, head * width:(head + 1) * width] = 0.0
-    return ablated
 
 
 # ---------------------------------------------------------------------------------------------
@@ -405,7 +410,8 @@ def phase_change_step(log: list[dict], threshold: float) -> Optional[int]:
 
 
 MODELS = pathlib.Path("models") / "induction"  # in the repository, beside code/
-CODE_URL = "ATTENTION_CODE_URL"  # the address of the book's code/ folder; the setup cell sets it
+CODE_URL = stored.CODE_URL  # the address of the book's code/ folder; the setup cell sets it
+_MAKE = "run `make models` to train the runs the chapter loads"
 
 
 @dataclass
@@ -418,74 +424,22 @@ class Run:
     model: AttentionOnly
 
 
-def _sha256(path: pathlib.Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 def save_run(folder: pathlib.Path, name: str, config: Config, seed: int,
              model: AttentionOnly, log: list[dict]) -> dict:
     """Write ``<name>.pt`` (the state_dict) and ``<name>.json`` (config, seed, log, torch's
     version and the .pt's SHA-256) into ``folder``; returns what the JSON holds."""
-    folder = pathlib.Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    weights = folder / f"{name}.pt"
-    torch.save(model.state_dict(), weights)
-    record = {"name": name, "config": dataclasses.asdict(config), "seed": seed,
-              "torch": torch.__version__, "sha256": _sha256(weights), "log": log}
-    (folder / f"{name}.json").write_text(json.dumps(record, indent=1) + "\n")
-    return record
-
-
-def _repository_models() -> Optional[pathlib.Path]:
-    """models/induction/ of the repository, when this file sits in its code/ folder."""
-    here = pathlib.Path(__file__).resolve().parent
-    folder = here.parent / MODELS
-    return folder if here.name == "code" and folder.is_dir() else None
-
-
-def _fetch(name: str, folder: pathlib.Path) -> None:
-    """Fetch ``<name>.json`` and ``<name>.pt`` from models/induction/ of the repository whose
-    code/ folder the environment variable ATTENTION_CODE_URL gives (the setup cell sets it
-    to the published repository's, at the book's ref), into ``folder``."""
-    base = os.environ.get(CODE_URL)
-    if not base:
-        raise RuntimeError(
-            f"the trained run {name!r} is not here and {CODE_URL} is not set: run the "
-            "notebook's first cell, or set it to the address of the book's code/ folder")
-    folder.mkdir(parents=True, exist_ok=True)
-    for suffix in (".json", ".pt"):
-        url = f"{base.rstrip('/').rsplit('/', 1)[0]}/{MODELS.as_posix()}/{name}{suffix}"
-        try:
-            urllib.request.urlretrieve(url, folder / f"{name}{suffix}")
-        except OSError as err:
-            raise RuntimeError(
-                f"could not fetch {url}: {err}. Put models/induction/{name}.json and "
-                f"{name}.pt in {folder}, or set {CODE_URL} to the address of a copy of the "
-                "book's code/ folder (models/ is fetched from beside it)") from None
+    head = {"name": name, "config": dataclasses.asdict(config), "seed": seed}
+    return stored.save_run(folder, name, model.state_dict(), head, log)
 
 
 def load_run(name: str, folder: Optional[pathlib.Path] = None) -> Run:
     """The trained run ``name``, read from ``folder``: by default the repository's
     models/induction/ when this file sits in its code/ folder, else models/induction/ beside
     this file (Colab, a download), where the run is fetched once from the published
-    repository (``_fetch``). The weights' SHA-256 must be the one their JSON records."""
-    repository = _repository_models()
-    folder = pathlib.Path(folder or repository or pathlib.Path(__file__).resolve().parent / MODELS)
-    json_file, weights = folder / f"{name}.json", folder / f"{name}.pt"
-    if not (json_file.is_file() and weights.is_file()):
-        if repository is not None and folder.resolve() == repository.resolve():
-            raise FileNotFoundError(f"{weights} or {json_file.name} is missing: run "
-                                    "`make models` to train the runs the chapter loads")
-        _fetch(name, folder)
-    record = json.loads(json_file.read_text())
-    found = _sha256(weights)
-    if found != record["sha256"]:
-        raise ValueError(
-            f"{weights}: its SHA-256 is {found}, but {name}.json records {record['sha256']}; "
-            "the weights are not the ones that run wrote. Delete both files to fetch them "
-            "again, or run `make models` in the repository")
+    repository (``stored.locate``). The weights' SHA-256 must be the one their JSON records."""
+    record, state = stored.load_run(MODELS.as_posix(), name, folder, make=_MAKE)
     config = Config.from_dict(record["config"])
     model = AttentionOnly(config)
-    model.load_state_dict(torch.load(weights, weights_only=True))
+    model.load_state_dict(state)
     model.eval()
     return Run(name, config, record["seed"], record["log"], model)

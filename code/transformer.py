@@ -167,7 +167,8 @@ class DecoderLM(nn.Module):
     ``forward(tokens)`` takes ``(B, T)`` integer tokens and returns ``(B, T, vocab_size)``
     logits, row t predicting token t + 1. With ``caches`` (one ``KVCache`` per block, from
     ``new_caches()``) it decodes: ``tokens`` are the new positions only, placed after the
-    ``caches[0].seen`` already processed.
+    ``caches[0].seen`` already processed. With ``need_weights`` it returns ``(logits,
+    weights)``, ``weights`` a list of each block's attention weights ``(B, H, T, S)``.
     """
 
     def __init__(
@@ -198,7 +199,8 @@ class DecoderLM(nn.Module):
         """One empty key-value cache per block, for ``forward(..., caches=...)``."""
         return [KVCache() for _ in self.blocks]
 
-    def forward(self, tokens: Tensor, *, caches: Optional[list[KVCache]] = None) -> Tensor:
+    def forward(self, tokens: Tensor, *, caches: Optional[list[KVCache]] = None,
+                need_weights: bool = False):
         if (not isinstance(tokens, Tensor) or tokens.dim() != 2
                 or tokens.dtype not in (torch.int64, torch.int32)):
             shape = (tuple(tokens.shape), tokens.dtype) if isinstance(tokens, Tensor) else (
@@ -217,6 +219,10 @@ class DecoderLM(nn.Module):
                              f"{int(tokens.min())} to {int(tokens.max())}")
         where = torch.arange(start, start + T, device=tokens.device)
         x = self.drop(self.embed(tokens) + self.position(where))  # (B, T, d_model)
+        weights = []
         for i, block in enumerate(self.blocks):
-            x = block(x, is_causal=True, cache=None if caches is None else caches[i])
-        return self.unembed(self.final_norm(x))  # (B, T, vocab_size)
+            x, w = block(x, is_causal=True, need_weights=True,
+                         cache=None if caches is None else caches[i])
+            weights.append(w)  # (B, H, T, S)
+        logits = self.unembed(self.final_norm(x))  # (B, T, vocab_size)
+        return (logits, weights) if need_weights else logits

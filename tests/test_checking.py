@@ -48,10 +48,12 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import attention
 import checking
 import induction
+import lm
 import position
 from chapter_structure import read_source
 from classroom import numbered_chapters
-from test_exercises import (C1, C2, C2b, C3, C4, C5, C5b, C6, C7, C8, C9, C10, C11, C12, CG,
+from test_exercises import (C1, C2, C2b, C3, C4, C5, C5b, C6, C7, C8, C9, C10, C11, C12, C13,
+                            CG,
                             CHECK_NAMES,
                             REFERENCES, graded_points, load_check, reference_functions)
 
@@ -627,6 +629,27 @@ for _name, _fn in captured(induction.Batch.copyable, "the module's Batch.copyabl
         (lambda c: lambda f, s, n, T: c(induction.Batch(torch.zeros(len(f), T + 1,
                                                                     dtype=torch.long),
                                                         f, s, n)))(_fn)))
+
+
+# Chapter 13, the bigram loss: the module's function by other routes, pasted in, and captured.
+def _as_tensor(loss):
+    """The module's float as the () tensor the exercise returns."""
+    return lambda *args: torch.tensor(loss(*args), dtype=torch.float64)
+
+
+BIGRAM_ALIASES = {  # class 1
+    "the module's bigram_loss through importlib and getattr": _as_tensor(
+        lambda *args: getattr(importlib.import_module("lm"), "bigram" + "_loss")(*args)),
+    "the module's bigram_loss in a thread of its own": _as_tensor(
+        in_a_thread(lambda *args: lm.bigram_loss(*args))),
+    "a pasted copy of the module's bigram_loss": _as_tensor(_pasted(
+        lm.bigram_loss, _check_tokens=lm._check_tokens)),
+}
+for _name, _fn in BIGRAM_ALIASES.items():
+    add(C13, 1, _name, NOTHING, FORBIDDEN if "pasted" not in _name
+        else "a copy of the module's code", bigram_loss=_fn)
+for _name, _fn in captured(lm.bigram_loss, "the module's bigram_loss").items():
+    add(C13, 2, _name, NOTHING, FORBIDDEN, bigram_loss=_as_tensor(_fn))
 
 
 # ---------------------------------------------------------------------------------------------

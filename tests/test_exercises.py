@@ -32,6 +32,7 @@ import attention
 import checking
 import flash
 import induction
+import lm
 import position
 import transformer
 from attention import causal_mask, padding_mask, scaled_dot_product_attention, softmax
@@ -164,6 +165,7 @@ RULE_OF_CALL = {
     "transformer.TransformerBlock": "the module's TransformerBlock",
     "induction.induction_score": "the module's induction_score",
     "induction.Batch.copyable": "the module's Batch.copyable",
+    "lm.bigram_loss": "the module's bigram_loss",
     "torch.nn.functional.layer_norm": "a ready-made normalisation",
     "torch.nn.LayerNorm": "a ready-made normalisation",
     "torch.nn.functional.group_norm": "a ready-made normalisation",
@@ -2033,6 +2035,123 @@ def ind_einsum(weights, first, second, length):
     onehot = (i[None, None, :] == key[:, :, None]) & rows[:, :, None]  # (B, T, T)
     onehot = onehot.to(weights.dtype)
     return torch.einsum("bhij,bij->h", weights, onehot) / onehot.sum()
+
+
+# --- chapter 13: check_bigram_loss(fn), fn(train, held_out, vocab_size, alpha) -> () -------
+
+C13 = "check_bigram_loss"
+
+
+def _pair_counts(train, V, transposed=False):
+    """(V, V) float64: counts[a, b], how often b follows a in train (transposed: a follows b)."""
+    a, b = (train[1:], train[:-1]) if transposed else (train[:-1], train[1:])
+    return torch.bincount(a * V + b, minlength=V * V).view(V, V).double()
+
+
+def _bigram_from(counts, held_out):
+    probs = counts / counts.sum(dim=1, keepdim=True)
+    return -probs[held_out[:-1], held_out[1:]].log().mean()
+
+
+@wrong(C13, "the table is transposed")
+def bigram_transposed(train, held_out, vocab_size, alpha):
+    return _bigram_from(_pair_counts(train, vocab_size, transposed=True) + alpha, held_out)
+
+
+@wrong(C13, "divided by its column's total")
+def bigram_by_column(train, held_out, vocab_size, alpha):
+    counts = _pair_counts(train, vocab_size) + alpha
+    probs = counts / counts.sum(dim=0, keepdim=True)
+    return -probs[held_out[:-1], held_out[1:]].log().mean()
+
+
+@wrong(C13, "the pairs are counted in held_out")
+def bigram_counted_in_held_out(train, held_out, vocab_size, alpha):
+    return _bigram_from(_pair_counts(held_out, vocab_size) + alpha, held_out)
+
+
+@wrong(C13, "alpha is not used")
+def bigram_unsmoothed(train, held_out, vocab_size, alpha):
+    return _bigram_from(_pair_counts(train, vocab_size), held_out)
+
+
+@wrong(C13, "added to the count of the pair but not to the row's total")
+def bigram_alpha_on_top(train, held_out, vocab_size, alpha):
+    counts = _pair_counts(train, vocab_size)
+    probs = (counts + alpha) / counts.sum(dim=1, keepdim=True)
+    return -probs[held_out[:-1], held_out[1:]].log().mean()
+
+
+@wrong(C13, "the row's total is n_a + alpha")
+def bigram_alpha_once(train, held_out, vocab_size, alpha):
+    counts = _pair_counts(train, vocab_size)
+    probs = (counts + alpha) / (counts.sum(dim=1, keepdim=True) + alpha)
+    return -probs[held_out[:-1], held_out[1:]].log().mean()
+
+
+@wrong(C13, "not vocab_size: a character that never occurs still gets alpha")
+def bigram_vocabulary_of_the_text(train, held_out, vocab_size, alpha):
+    seen = int(torch.unique(train[:-1]).numel())
+    counts = _pair_counts(train, vocab_size)
+    probs = (counts + alpha) / (counts.sum(dim=1, keepdim=True) + alpha * seen)
+    return -probs[held_out[:-1], held_out[1:]].log().mean()
+
+
+@wrong(C13, "the loss is in bits (log2)")
+def bigram_in_bits(train, held_out, vocab_size, alpha):
+    return _bigram_from(_pair_counts(train, vocab_size) + alpha, held_out) / math.log(2)
+
+
+@wrong(C13, "summed, not averaged")
+def bigram_summed(train, held_out, vocab_size, alpha):
+    return _bigram_from(_pair_counts(train, vocab_size) + alpha, held_out) * (len(held_out) - 1)
+
+
+@wrong(C13, "one fewer predictions, len(held_out) - 1")
+def bigram_per_character(train, held_out, vocab_size, alpha):
+    loss = _bigram_from(_pair_counts(train, vocab_size) + alpha, held_out)
+    return loss * (len(held_out) - 1) / len(held_out)
+
+
+@wrong(C13, "NaN; with alpha = 0")
+def bigram_one_hot_nan(train, held_out, vocab_size, alpha):
+    """Cross-entropy as a one-hot dot product: 0 * (-inf) is NaN where a pair never occurs."""
+    counts = _pair_counts(train, vocab_size) + alpha
+    log_probs = (counts / counts.sum(dim=1, keepdim=True)).log()
+    targets = F.one_hot(held_out[1:], vocab_size).double()
+    return -(targets * log_probs[held_out[:-1]]).sum(dim=-1).mean()
+
+
+@shortcut(C13, "lm.bigram_loss")
+def bigram_module(train, held_out, vocab_size, alpha):
+    return torch.tensor(lm.bigram_loss(train, held_out, vocab_size, alpha))
+
+
+@right(C13)
+def bigram_loops(train, held_out, vocab_size, alpha):
+    counts = [[alpha] * vocab_size for _ in range(vocab_size)]
+    for a, b in zip(train[:-1].tolist(), train[1:].tolist()):
+        counts[a][b] += 1
+    total = 0.0
+    for a, b in zip(held_out[:-1].tolist(), held_out[1:].tolist()):
+        p = counts[a][b] / sum(counts[a])
+        total += -math.log(p) if p > 0 else math.inf
+    return torch.tensor(total / (len(held_out) - 1), dtype=torch.float64)
+
+
+@right(C13)
+def bigram_index_put(train, held_out, vocab_size, alpha):
+    counts = torch.full((vocab_size, vocab_size), float(alpha))
+    counts.index_put_((train[:-1], train[1:]), torch.ones(len(train) - 1), accumulate=True)
+    return _bigram_from(counts, held_out)
+
+
+@right(C13)
+def bigram_cross_entropy(train, held_out, vocab_size, alpha):
+    """The rows of log-probabilities as logits of F.cross_entropy (its log_softmax leaves
+    log-probabilities unchanged)."""
+    log_probs = (_pair_counts(train, vocab_size) + alpha).log()
+    return F.cross_entropy(log_probs[held_out[:-1]], held_out[1:])
 
 
 def _run(check, fn):

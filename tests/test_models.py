@@ -79,3 +79,50 @@ def test_the_weights_give_the_logs_final_values(name):
     final = {"step": run.config.steps,
              **ind.evaluate(run.model, ind.evaluation_sets(run.config))}
     assert_records_close([final], run.log[-1:])
+
+
+# --- the language model of chapter 13 (models/lm/) ---------------------------------------------
+
+import lm  # noqa: E402
+
+LM_FOLDER = models.LM_FOLDER
+LM_COMMITTED = sorted(path.stem for path in LM_FOLDER.glob("*.json"))
+LM_RETRAINED_STEPS = 10
+
+
+def test_the_committed_language_model_is_the_run_make_models_trains():
+    assert LM_COMMITTED == sorted(models.LM_RUNS), "run `make models` and commit models/lm/"
+    assert sorted(p.name for p in LM_FOLDER.iterdir()) == sorted(
+        f"{name}{suffix}" for name in LM_COMMITTED for suffix in (".json", ".pt"))
+
+
+@pytest.mark.parametrize("name", LM_COMMITTED)
+def test_the_language_models_json_names_its_weights_its_text_and_its_run(name):
+    record = json.loads((LM_FOLDER / f"{name}.json").read_text())
+    assert record["sha256"] == hashlib.sha256((LM_FOLDER / f"{name}.pt").read_bytes()).hexdigest()
+    config, seed = models.LM_RUNS[name]
+    assert record["name"] == name and record["seed"] == seed
+    assert lm.Config.from_dict(record["config"]) == config
+    assert record["chars"] == "".join(lm.Vocabulary(lm.load_text()).chars)
+    log = record["log"]
+    assert len(log["loss"]) == len(log["lr"]) == config.steps
+    assert [r["step"] for r in log["eval"]] == list(range(0, config.steps + 1, config.eval_every))
+    assert (LM_FOLDER / f"{name}.pt").stat().st_size < 2_000_000
+
+
+@pytest.mark.parametrize("name", LM_COMMITTED)
+def test_retraining_the_language_models_first_steps_reproduces_its_log(name):
+    run = lm.load_run(name, LM_FOLDER)
+    _, log = lm.train(run.config, run.seed, until=LM_RETRAINED_STEPS)  # the same schedule
+    for key in ("lr", "loss"):
+        worst = max(abs(a - b) for a, b in zip(log[key], run.log[key][:LM_RETRAINED_STEPS]))
+        assert len(log[key]) == LM_RETRAINED_STEPS and worst <= TOLERANCE, (key, worst)
+    assert abs(log["eval"][0]["held_out"] - run.log["eval"][0]["held_out"]) <= TOLERANCE
+
+
+@pytest.mark.parametrize("name", LM_COMMITTED)
+def test_the_language_models_weights_give_its_final_held_out_loss(name):
+    run = lm.load_run(name, LM_FOLDER)
+    vocab = lm.Vocabulary(lm.load_text())
+    _, held_out = lm.split(vocab.encode(lm.load_text()), run.config.fraction)
+    assert abs(lm.evaluate(run.model, held_out) - run.log["eval"][-1]["held_out"]) <= TOLERANCE

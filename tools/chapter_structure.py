@@ -33,8 +33,10 @@ CHAPTER_DOC = re.compile(r"chapters/\d\d-[\w-]+$")  # a numbered chapter's docna
 # induction heads (which fetches trained models from beside the code), the explorable
 # figures' helper, the checks' machinery, and each chapter's checks (checks_<chapter>.py,
 # which import all of those).
-TEACHING_FILES = ("attention.py", "position.py", "flash.py", "transformer.py", "diagrams.py",
-                  "induction.py", "explorable.py")
+# In the order of their imports: a module comes after those it imports (the setup cell imports
+# them one by one, fetching each that is missing).
+TEACHING_FILES = ("stored.py", "attention.py", "position.py", "flash.py", "transformer.py",
+                  "diagrams.py", "induction.py", "lm.py", "explorable.py")
 CHECKING_FILE = "checking.py"
 CHECK_FILES = tuple(sorted(path.name for path in (ROOT / "code").glob("checks_*.py")))
 CODE_FILES = (*TEACHING_FILES, CHECKING_FILE, *CHECK_FILES)

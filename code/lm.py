@@ -1,0 +1,486 @@
+"""A character-level language model on real text, written to be read.
+
+The text is the part of Shakespeare's plays that data/shakespeare.txt holds (data/README.md
+gives its source and licence). The model is chapter "The Transformer block"'s ``DecoderLM``:
+it reads up to ``Config.context`` characters and predicts, at every position, the next one.
+
+What is here, in the order the chapter "A language model on real text" uses it:
+
+- ``load_text``, ``Vocabulary`` and ``split``: the text, its characters as integers, and the
+  split into the first 90 % for training and the rest, held out;
+- ``unigram_loss`` and ``bigram_loss``: the baselines, models made of counts;
+- ``Config``, ``build`` and ``train(config, seed)``: the model and its training, which returns
+  the model and its log; ``evaluate``, the mean loss over a text cut into windows;
+- ``generate``: sampling one character at a time, with or without chapter "Inference"'s
+  key-value cache;
+- ``attention_weights``, ``score_on`` with the keys it scores (``back_keys``, ``last_keys``,
+  ``word_start_keys``, all four by name in ``text_keys``), ``repeated_text``,
+  ``head_scores`` and ``ablate``: what the heads do;
+- ``save_run`` and ``load_run``: the run tools/models.py trains (``make models``) and the
+  chapter loads, with its log and the SHA-256 of its weights.
+
+Training is float64 and deterministic: the same config and seed give the same log. Shape
+legend as in ``attention.py``: B sequences, H heads, T positions, V characters in the
+vocabulary, D = d_model.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import pathlib
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+import stored
+from induction import induction_score, silence_heads
+from transformer import DecoderLM
+
+__all__ = [
+    "load_text",
+    "Vocabulary",
+    "split",
+    "unigram_loss",
+    "bigram_loss",
+    "Config",
+    "build",
+    "evaluate",
+    "train",
+    "generate",
+    "attention_weights",
+    "score_on",
+    "back_keys",
+    "last_keys",
+    "word_start_keys",
+    "text_keys",
+    "repeated_text",
+    "head_scores",
+    "ablate",
+    "save_run",
+    "load_run",
+    "Run",
+]
+
+DTYPE = torch.float64
+DATA = "data"  # in the repository, beside code/
+TEXT = "shakespeare.txt"
+MODELS = pathlib.Path("models") / "lm"
+_MAKE = "run `make models` to train the run the chapter loads"
+
+
+# ---------------------------------------------------------------------------------------------
+# The text
+
+
+def load_text(folder: Optional[pathlib.Path] = None) -> str:
+    """The corpus, data/shakespeare.txt: from ``folder``, else the repository's data/, else
+    data/ beside this file, where it is fetched once (``stored.locate``)."""
+    where = stored.locate(DATA, [TEXT], folder, make="it is part of the repository")
+    return (where / TEXT).read_text(encoding="utf-8")
+
+
+class Vocabulary:
+    """The characters of a text, sorted, each numbered by its place: ``encode`` turns text
+    into a ``(N,)`` tensor of integers in [0, V), ``decode`` turns integers back into text."""
+
+    def __init__(self, text: str):
+        if not isinstance(text, str) or not text:
+            raise ValueError("Vocabulary needs a non-empty string")
+        self.chars = sorted(set(text))
+        self._index = {c: i for i, c in enumerate(self.chars)}
+
+    def __len__(self) -> int:
+        return len(self.chars)
+
+    def encode(self, text: str) -> Tensor:
+        unknown = sorted(set(text) - set(self._index))
+        if unknown:
+            raise ValueError(f"characters not in the vocabulary: {unknown[:5]}")
+        return torch.tensor([self._index[c] for c in text], dtype=torch.long)
+
+    def decode(self, ids) -> str:
+        ids = ids.tolist() if isinstance(ids, Tensor) else list(ids)
+        if any(not 0 <= i < len(self) for i in ids):
+            raise ValueError(f"ids must lie in [0, {len(self)})")
+        return "".join(self.chars[i] for i in ids)
+
+
+def split(tokens: Tensor, fraction: float = 0.9) -> tuple[Tensor, Tensor]:
+    """The first ``fraction`` of ``tokens`` for training, the rest held out: a contiguous
+    split, so that no held-out line was seen in training."""
+    if not 0 < fraction < 1:
+        raise ValueError(f"fraction must lie strictly between 0 and 1, got {fraction}")
+    n = int(fraction * len(tokens))
+    return tokens[:n], tokens[n:]
+
+
+# ---------------------------------------------------------------------------------------------
+# Baselines: models made of counts
+
+
+def _check_tokens(name: str, tokens, vocab_size: int, least: int) -> None:
+    if not isinstance(tokens, Tensor) or tokens.dim() != 1 or tokens.dtype != torch.long:
+        shape = (tuple(tokens.shape), tokens.dtype) if isinstance(tokens, Tensor) else (
+            type(tokens).__name__)
+        raise ValueError(f"{name} must be a (N,) tensor of int64 tokens, got {shape}")
+    if len(tokens) < least:
+        raise ValueError(f"{name} needs at least {least} tokens, got {len(tokens)}")
+    if int(tokens.min()) < 0 or int(tokens.max()) >= vocab_size:
+        raise ValueError(f"{name} must lie in [0, {vocab_size}), got values from "
+                         f"{int(tokens.min())} to {int(tokens.max())}")
+
+
+def unigram_loss(train: Tensor, held_out: Tensor, vocab_size: int, alpha: float = 1.0) -> float:
+    """Mean cross-entropy (nats) of ``held_out[1:]`` under character frequencies counted in
+    ``train``, each count plus ``alpha``: the best guess that ignores the context."""
+    _check_tokens("train", train, vocab_size, 1)
+    _check_tokens("held_out", held_out, vocab_size, 2)
+    counts = torch.bincount(train, minlength=vocab_size).double() + alpha
+    return float(-(counts / counts.sum()).log()[held_out[1:]].mean())
+
+
+def bigram_loss(train: Tensor, held_out: Tensor, vocab_size: int, alpha: float = 1.0) -> float:
+    """Mean cross-entropy (nats) of ``held_out[t + 1]`` given ``held_out[t]``, under counts of
+    the pairs of consecutive characters in ``train``, each count plus ``alpha`` (add-alpha
+    smoothing; ``alpha = 0`` gives infinity if a held-out pair never occurs in training)."""
+    _check_tokens("train", train, vocab_size, 2)
+    _check_tokens("held_out", held_out, vocab_size, 2)
+    counts = torch.full((vocab_size, vocab_size), float(alpha), dtype=torch.float64)
+    counts.index_put_((train[:-1], train[1:]), torch.ones(len(train) - 1, dtype=torch.float64),
+                      accumulate=True)  # counts[a, b]: how often b follows a
+    log_p = (counts / counts.sum(dim=1, keepdim=True)).log()  # row a: p(next | a)
+    return float(-log_p[held_out[:-1], held_out[1:]].mean())
+
+
+# ---------------------------------------------------------------------------------------------
+# The model and its training
+
+
+@dataclass(frozen=True)
+class Config:
+    """One training run's settings: the model (``DecoderLM``, pre-LN, GELU, no dropout,
+    untied), the batches (``batch_size`` windows of ``context + 1`` characters drawn from the
+    training text) and AdamW with a linear warm-up and a cosine decay to ``min_lr``."""
+
+    context: int = 64
+    d_model: int = 64
+    num_heads: int = 4
+    d_ff: int = 256
+    num_layers: int = 4
+    batch_size: int = 32
+    steps: int = 1500
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup: int = 50
+    betas: tuple = (0.9, 0.99)
+    weight_decay: float = 0.1
+    clip: float = 1.0
+    eval_every: int = 100
+    fraction: float = 0.9
+
+    def __post_init__(self):
+        for name in ("context", "d_model", "num_heads", "d_ff", "num_layers", "batch_size",
+                     "eval_every"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Config.{name} must be a positive integer, got {value!r}")
+        if self.d_model % self.num_heads:
+            raise ValueError(f"d_model={self.d_model} must be a multiple of "
+                             f"num_heads={self.num_heads}")
+        if self.steps < 0 or self.steps % self.eval_every:
+            raise ValueError(f"steps={self.steps} must be a multiple of "
+                             f"eval_every={self.eval_every}, so that the last step is evaluated")
+        object.__setattr__(self, "betas", tuple(self.betas))  # JSON gives a list
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "Config":
+        return cls(**values)
+
+    def learning_rate(self, step: int) -> float:
+        """The rate of step ``step``: linear from lr / warmup up to lr over the first
+        ``warmup`` steps, then a cosine from lr down to min_lr at the last step."""
+        if step < self.warmup:
+            return self.lr * (step + 1) / self.warmup
+        done = (step - self.warmup) / max(1, self.steps - self.warmup)
+        return self.min_lr + 0.5 * (self.lr - self.min_lr) * (1 + math.cos(math.pi * done))
+
+
+def build(config: Config, vocab_size: int) -> DecoderLM:
+    """A fresh float64 ``DecoderLM`` of ``config``'s shape (its weights from the global random
+    state: ``train`` seeds it)."""
+    return DecoderLM(vocab_size, config.context, config.d_model, config.num_heads, config.d_ff,
+                     config.num_layers, norm_first=True, activation="gelu", dtype=DTYPE)
+
+
+def windows(tokens: Tensor, context: int) -> tuple[Tensor, Tensor]:
+    """``tokens`` cut into consecutive, non-overlapping windows of ``context + 1``: inputs
+    ``(N, context)`` and targets ``(N, context)``, the inputs shifted by one."""
+    n = (len(tokens) - 1) // context
+    if n < 1:
+        raise ValueError(f"{len(tokens)} tokens hold no window of {context + 1}")
+    x = tokens[:n * context].view(n, context)
+    y = tokens[1:n * context + 1].view(n, context)
+    return x, y
+
+
+def evaluate(model: DecoderLM, tokens: Tensor, *, batch: int = 128) -> float:
+    """Mean cross-entropy (nats per character) of ``model`` on ``tokens`` cut into windows of
+    the model's context (``windows``). Each window starts afresh, so the mean is over
+    predictions made from 1, 2, ..., context characters."""
+    x, y = windows(tokens, model.max_len)
+    total = 0.0
+    with torch.no_grad():
+        for i in range(0, len(x), batch):
+            logits = model(x[i:i + batch])
+            total += float(F.cross_entropy(logits.flatten(0, 1), y[i:i + batch].flatten(),
+                                           reduction="sum"))
+    return total / y.numel()
+
+
+def _batch(tokens: Tensor, config: Config, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+    """``batch_size`` windows of ``context + 1`` characters, starting anywhere."""
+    starts = torch.randint(len(tokens) - config.context, (config.batch_size,), generator=generator)
+    rows = torch.stack([tokens[s:s + config.context + 1] for s in starts.tolist()])
+    return rows[:, :-1], rows[:, 1:]
+
+
+def train(config: Config, seed: int, text: Optional[str] = None, *,
+          until: Optional[int] = None) -> tuple[DecoderLM, dict]:
+    """Train a fresh model on the training part of ``text`` (default: ``load_text()``),
+    whose characters make its vocabulary (``Vocabulary(text)``).
+
+    The initial weights come from ``seed`` (drawn without touching the global random state),
+    the batches from a generator seeded with ``seed``. The log holds, for every step, the
+    learning rate and the batch's loss (before the step), and every ``eval_every`` steps
+    from 0 to ``steps`` the held-out loss (``evaluate``). ``until`` stops the same run after
+    that many steps (the schedule still ends at ``steps``): its log is the start of the full
+    run's. Returns the model and the log."""
+    until = config.steps if until is None else until
+    if not 0 <= until <= config.steps:
+        raise ValueError(f"until must lie in [0, {config.steps}], got {until}")
+    text = load_text() if text is None else text
+    vocab = Vocabulary(text)
+    train_part, held_out = split(vocab.encode(text), config.fraction)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = build(config, len(vocab))
+    data = torch.Generator().manual_seed(seed)
+    matrices = [p for p in model.parameters() if p.dim() >= 2]
+    others = [p for p in model.parameters() if p.dim() < 2]  # biases, layer norms' gains
+    opt = torch.optim.AdamW([{"params": matrices, "weight_decay": config.weight_decay},
+                             {"params": others, "weight_decay": 0.0}],
+                            lr=config.lr, betas=config.betas)
+    log = {"lr": [], "loss": [], "eval": []}
+    for step in range(until + 1):
+        if step % config.eval_every == 0:
+            model.eval()
+            log["eval"].append({"step": step, "held_out": evaluate(model, held_out)})
+            model.train()
+        if step == until:
+            break
+        rate = config.learning_rate(step)
+        for group in opt.param_groups:
+            group["lr"] = rate
+        x, y = _batch(train_part, config, data)
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), config.clip)
+        opt.step()
+        log["lr"].append(rate)
+        log["loss"].append(loss.item())
+    model.eval()
+    return model, log
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampling
+
+
+def generate(model: DecoderLM, prompt: Tensor, n: int, *, temperature: float = 1.0,
+             generator: Optional[torch.Generator] = None, cache: bool = True) -> Tensor:
+    """``n`` characters ``(n,)`` sampled one at a time after ``prompt`` ``(T0,)``.
+
+    Each is drawn from softmax(logits / temperature) of the last position (``temperature =
+    0``: the most likely character). The model reads a window of the text so far that starts
+    at position 0 of its learned positions: it grows one character per step, and when it
+    would outgrow the context it restarts from the last ``context // 2`` characters. With ``cache`` each block keeps the window's keys and values in a
+    ``KVCache``, so a step reads one new character, and a restart reads the kept ones again;
+    without it every step reads the whole window. Both compute the same logits."""
+    if not isinstance(prompt, Tensor) or prompt.dim() != 1 or len(prompt) < 1:
+        raise ValueError(f"prompt must be a non-empty (T0,) tensor of tokens, got "
+                         f"{tuple(prompt.shape) if isinstance(prompt, Tensor) else prompt!r}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    seen = prompt.tolist()
+    start = max(0, len(seen) - model.max_len)
+    keep = model.max_len // 2
+
+    def read(tokens, caches):
+        return model(torch.tensor([tokens]), caches=caches)[0, -1]
+
+    with torch.no_grad():
+        caches = model.new_caches() if cache else None
+        logits = read(seen[start:], caches)
+        for _ in range(n):
+            if temperature == 0:
+                token = int(logits.argmax())
+            else:
+                probs = torch.softmax(logits / temperature, dim=-1)
+                token = int(torch.multinomial(probs, 1, generator=generator)[0])
+            seen.append(token)
+            if len(seen) == len(prompt) + n:
+                break
+            if len(seen) - start > model.max_len:  # the window is full: restart it
+                start = len(seen) - keep
+                caches = model.new_caches() if cache else None
+                logits = read(seen[start:], caches)
+            else:
+                logits = read([token] if cache else seen[start:], caches)
+    return torch.tensor(seen[len(prompt):], dtype=torch.long)
+
+
+# ---------------------------------------------------------------------------------------------
+# What the heads do
+
+
+def attention_weights(model: DecoderLM, tokens: Tensor) -> list[Tensor]:
+    """Each block's attention weights ``(B, H, T, T)`` on ``tokens`` ``(B, T)``."""
+    with torch.no_grad():
+        _, weights = model(tokens, need_weights=True)
+    return weights
+
+
+def score_on(weights: Tensor, keys: Tensor) -> Tensor:
+    """(H,): each head's mean weight a_{i, k(i)} on a chosen key, over the queries that have
+    one. ``weights`` is ``(B, H, T, T)``; ``keys`` ``(B, T)`` holds each query's key k(i) (at
+    most i), or -1 for a query that has none."""
+    if not isinstance(weights, Tensor) or weights.dim() != 4 or weights.shape[-1] != weights.shape[-2]:
+        raise ValueError(f"weights must be (B, H, T, T), got "
+                         f"{tuple(weights.shape) if isinstance(weights, Tensor) else weights!r}")
+    B, _, T, _ = weights.shape
+    if tuple(keys.shape) != (B, T):
+        raise ValueError(f"keys must be (B, T) = {(B, T)} for weights {tuple(weights.shape)}, "
+                         f"got {tuple(keys.shape)}")
+    if bool((keys > torch.arange(T)).any()):
+        raise ValueError("a key lies after its query: causal weights there are 0")
+    b, query = (keys >= 0).nonzero(as_tuple=True)
+    if len(b) == 0:
+        raise ValueError("no query has a key")
+    return weights[b, :, query, keys[b, query]].mean(dim=0)  # (n, H) -> (H,)
+
+
+def back_keys(tokens: Tensor, k: int) -> Tensor:
+    """(B, T): the key k positions back, i - k, or -1 where i < k."""
+    i = torch.arange(tokens.shape[-1]).expand(tokens.shape)
+    return torch.where(i >= k, i - k, -1)
+
+
+def last_keys(tokens: Tensor, ids: Iterable[int]) -> Tensor:
+    """(B, T): the most recent position at or before i that holds one of the tokens ``ids``,
+    or -1 where there is none."""
+    i = torch.arange(tokens.shape[-1]).expand(tokens.shape)
+    hit = torch.isin(tokens, torch.tensor(list(ids)))
+    return torch.cummax(torch.where(hit, i, -1), dim=-1).values
+
+
+def word_start_keys(tokens: Tensor, boundaries: Iterable[int]) -> Tensor:
+    """(B, T): the first character of the word that position i is in, the position after the
+    most recent boundary (space or line break) before i; -1 where i is itself a boundary or
+    no boundary precedes it."""
+    last = last_keys(tokens, boundaries)
+    i = torch.arange(tokens.shape[-1]).expand(tokens.shape)
+    return torch.where((last >= 0) & (last < i), last + 1, -1)
+
+
+def repeated_text(tokens: Tensor, n: int, length: int, generator: torch.Generator) -> Tensor:
+    """``(n, 2 * length + 1)`` sequences: a character, then a passage of ``length``
+    characters of ``tokens``, then the same passage again, from random places."""
+    if len(tokens) < length + 2:
+        raise ValueError(f"{len(tokens)} tokens hold no passage of {length + 1}")
+    starts = torch.randint(len(tokens) - length - 1, (n,), generator=generator).tolist()
+    rows = [torch.cat([tokens[s:s + length + 1], tokens[s + 1:s + length + 1]]) for s in starts]
+    return torch.stack(rows)
+
+
+def text_keys(text_windows: Tensor, vocab: Vocabulary) -> dict[str, Tensor]:
+    """The keys ``(B, T)`` of the four scores on text, by name: the previous character
+    ("previous"), the one before it ("two back"), the first character of the current word
+    ("word start": after the last space or line break) and the last line break ("line
+    break")."""
+    return {"previous": back_keys(text_windows, 1), "two back": back_keys(text_windows, 2),
+            "word start": word_start_keys(text_windows, vocab.encode(" \n").tolist()),
+            "line break": last_keys(text_windows, vocab.encode("\n").tolist())}
+
+
+def head_scores(model: DecoderLM, text_windows: Tensor, repeated: Tensor,
+                vocab: Vocabulary) -> dict[str, Tensor]:
+    """Each head's scores ``(num_layers, H)``: the four of ``text_keys`` on ``text_windows``
+    ``(B, T)``, and on ``repeated`` (``repeated_text``: a passage at 1 and again at 1 +
+    length) the induction score of chapter "Induction heads" ("induction")."""
+    on_text = attention_weights(model, text_windows)
+    scores = {name: torch.stack([score_on(w, keys) for w in on_text])
+              for name, keys in text_keys(text_windows, vocab).items()}
+    length = (repeated.shape[1] - 1) // 2
+    B = repeated.shape[0]
+    first, second = torch.ones(B, dtype=torch.long), torch.full((B,), 1 + length)
+    scores["induction"] = torch.stack([
+        induction_score(w, first, second, torch.full((B,), length))
+        for w in attention_weights(model, repeated)])
+    return scores
+
+
+def ablate(model: DecoderLM, heads: Iterable[tuple[int, int]]) -> DecoderLM:
+    """A copy of ``model`` in which each head ``(block, head)`` of ``heads`` writes nothing
+    into the residual stream; its attention weights are unchanged."""
+    ablated = copy.deepcopy(model)
+    silence_heads([block.self_attn for block in ablated.blocks], heads)
+    return ablated
+
+
+# ---------------------------------------------------------------------------------------------
+# The trained run: written by tools/models.py (make models), read by the chapter
+
+
+@dataclass
+class Run:
+    """A trained run: its name, config and seed, its log, and the model with its weights."""
+    name: str
+    config: Config
+    seed: int
+    log: dict
+    model: DecoderLM
+    vocab: Vocabulary
+    cpu_seconds: Optional[float] = None  # what training took, as tools/models.py measured it
+
+
+def save_run(folder: pathlib.Path, name: str, config: Config, seed: int, model: DecoderLM,
+             log: dict, vocab: Vocabulary, cpu_seconds: Optional[float] = None) -> dict:
+    """Write ``<name>.pt`` (the state_dict) and ``<name>.json`` (config, seed, the
+    vocabulary's characters, the CPU seconds the training took if given, log, torch's version
+    and the .pt's SHA-256) into ``folder``."""
+    if len(vocab) != model.vocab_size:
+        raise ValueError(f"the vocabulary has {len(vocab)} characters, the model "
+                         f"{model.vocab_size}")
+    head = {"name": name, "config": dataclasses.asdict(config), "seed": seed,
+            "chars": "".join(vocab.chars), "cpu_seconds": cpu_seconds}
+    return stored.save_run(folder, name, model.state_dict(), head, log)
+
+
+def load_run(name: str, folder: Optional[pathlib.Path] = None) -> Run:
+    """The trained run ``name``, read from ``folder``: by default the repository's models/lm/,
+    else models/lm/ beside this file (Colab, a download), fetched once. The weights' SHA-256
+    must be the one their JSON records."""
+    record, state = stored.load_run(MODELS.as_posix(), name, folder, make=_MAKE)
+    config = Config.from_dict(record["config"])
+    vocab = Vocabulary(record["chars"])
+    model = build(config, len(vocab))
+    model.load_state_dict(state)
+    model.eval()
+    return Run(name, config, record["seed"], record["log"], model, vocab,
+               record.get("cpu_seconds"))

@@ -1,0 +1,310 @@
+"""code/lm.py, the language model on real text of chapter 13: the text, the baselines, training,
+sampling with and without the cache, the head scores and ablation, saving and loading a run.
+The committed run itself is tested in test_models.py."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import pathlib
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import lm
+import stored
+
+torch.set_num_threads(1)
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TEXT = lm.load_text()
+VOCAB = lm.Vocabulary(TEXT)
+TOKENS = VOCAB.encode(TEXT)
+TINY = lm.Config(context=16, d_model=16, num_heads=2, d_ff=32, num_layers=2, batch_size=4,
+                 steps=6, eval_every=3, warmup=2)
+SMALL_TEXT = TEXT[:3000]
+SMALL = lm.Vocabulary(SMALL_TEXT)  # the vocabulary of the models trained on SMALL_TEXT
+
+
+# --- the text ----------------------------------------------------------------------------------
+
+def test_the_text_is_the_one_data_readme_describes():
+    readme = (ROOT / "data" / "README.md").read_text()
+    digest = hashlib.sha256((ROOT / "data" / lm.TEXT).read_bytes()).hexdigest()
+    assert digest in readme, "data/README.md must give the text's SHA-256"
+    count = int(re.search(r"first ([\d,]+) characters", readme).group(1).replace(",", ""))
+    assert len(TEXT) == count and TEXT.isascii() and TEXT.endswith("\n")
+    assert f"{len(VOCAB)} distinct characters" in readme
+    assert "public domain" in readme and "MIT" in readme
+
+
+def test_the_vocabulary_numbers_sorted_characters_and_round_trips():
+    assert VOCAB.chars == sorted(set(TEXT)) and VOCAB.decode(VOCAB.encode("KING:\n")) == "KING:\n"
+    assert VOCAB.encode("\n").tolist() == [0]  # the smallest character
+    with pytest.raises(ValueError, match=r"not in the vocabulary: \['@'\]"):
+        VOCAB.encode("a@")
+    with pytest.raises(ValueError, match=r"ids must lie in \[0, 62\)"):
+        VOCAB.decode([62])
+
+
+def test_the_split_is_contiguous_and_keeps_every_token():
+    train, held = lm.split(TOKENS)
+    assert len(train) == int(0.9 * len(TOKENS)) and torch.equal(torch.cat([train, held]), TOKENS)
+    with pytest.raises(ValueError, match="strictly between 0 and 1"):
+        lm.split(TOKENS, 1.0)
+
+
+def test_the_text_is_fetched_from_beside_the_code_folder(tmp_path, monkeypatch):
+    (tmp_path / "repo" / "data").mkdir(parents=True)
+    (tmp_path / "repo" / "data" / lm.TEXT).write_text("To be.\n")
+    monkeypatch.setenv(stored.CODE_URL, (tmp_path / "repo" / "code").as_uri())
+    here = tmp_path / "alone"
+    assert lm.load_text(here) == "To be.\n" and (here / lm.TEXT).is_file()
+    monkeypatch.delenv(stored.CODE_URL)
+    with pytest.raises(RuntimeError, match="ATTENTION_CODE_URL is not set"):
+        lm.load_text(tmp_path / "empty")
+
+
+# --- the baselines ----------------------------------------------------------------------------
+
+def bigram_by_loops(train, held, V, alpha):
+    counts = [[alpha] * V for _ in range(V)]
+    for a, b in zip(train.tolist(), train[1:].tolist()):
+        counts[a][b] += 1
+    total = 0.0
+    for a, b in zip(held.tolist(), held[1:].tolist()):
+        total -= math.log(counts[a][b] / sum(counts[a]))
+    return total / (len(held) - 1)
+
+
+@pytest.mark.parametrize("alpha", [1.0, 0.5])
+def test_the_bigram_loss_is_the_counting_model_by_loops(alpha):
+    g = torch.Generator().manual_seed(0)
+    train, held = torch.randint(5, (200,), generator=g), torch.randint(5, (50,), generator=g)
+    assert math.isclose(lm.bigram_loss(train, held, 5, alpha),
+                        bigram_by_loops(train, held, 5, alpha), rel_tol=1e-12)
+
+
+def test_the_unigram_loss_is_the_frequency_model():
+    train, held = torch.tensor([0, 0, 0, 1]), torch.tensor([1, 0, 1])
+    # add-one counts 4 and 2 of 6: held[1:] = 0, 1
+    assert math.isclose(lm.unigram_loss(train, held, 2), -(math.log(4 / 6) + math.log(2 / 6)) / 2)
+
+
+def test_without_smoothing_an_unseen_pair_costs_infinity():
+    train, held = torch.tensor([0, 1, 0, 1]), torch.tensor([1, 1])
+    assert lm.bigram_loss(train, held, 2, alpha=0.0) == math.inf
+    assert math.isfinite(lm.bigram_loss(train, held, 2, alpha=1.0))
+
+
+def test_counts_beat_every_other_one_character_model_on_their_own_text():
+    """The chapter's proposition: on the text the pairs were counted in, the count model's loss
+    (alpha = 0) is at most that of any model that sees one character."""
+    train = TOKENS[:20000]
+    best = lm.bigram_loss(train, train, len(VOCAB), alpha=0.0)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(5):
+        table = torch.log_softmax(torch.randn(len(VOCAB), len(VOCAB), generator=g,
+                                              dtype=torch.float64), dim=-1)
+        assert best <= float(-table[train[:-1], train[1:]].mean())
+    smoothed = lm.bigram_loss(train, train, len(VOCAB), alpha=1.0)
+    assert best < smoothed  # smoothing moves probability to pairs that never occur
+
+
+def test_the_baselines_reject_bad_tokens_with_their_shapes():
+    with pytest.raises(ValueError, match=r"held_out must be a \(N,\) tensor of int64.*\(2, 3\)"):
+        lm.bigram_loss(TOKENS[:10], torch.zeros(2, 3, dtype=torch.long), len(VOCAB))
+    with pytest.raises(ValueError, match=r"train must lie in \[0, 4\), got values from 0 to"):
+        lm.unigram_loss(TOKENS[:100], TOKENS[:10], 4)
+
+
+# --- the model and its training ----------------------------------------------------------------
+
+def test_the_config_is_checked():
+    with pytest.raises(ValueError, match="multiple of num_heads"):
+        lm.Config(d_model=10, num_heads=4)
+    with pytest.raises(ValueError, match="multiple of eval_every"):
+        lm.Config(steps=150)
+    with pytest.raises(ValueError, match="Config.context must be a positive integer"):
+        lm.Config(context=0)
+    assert lm.Config.from_dict({"betas": [0.9, 0.95]}).betas == (0.9, 0.95)
+
+
+def test_the_learning_rate_warms_up_then_decays_to_its_floor():
+    c = lm.Config()
+    rates = [c.learning_rate(s) for s in range(c.steps + 1)]
+    assert rates[0] == pytest.approx(c.lr / c.warmup)
+    assert rates[c.warmup - 1] == rates[c.warmup] == pytest.approx(c.lr)
+    assert rates[-1] == pytest.approx(c.min_lr)
+    assert all(a < b for a, b in zip(rates[:c.warmup - 1], rates[1:c.warmup]))
+    assert all(a >= b for a, b in zip(rates[c.warmup:], rates[c.warmup + 1:]))
+
+
+def test_windows_cut_the_text_into_shifted_pairs():
+    x, y = lm.windows(torch.arange(10), 3)
+    assert x.tolist() == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+    assert y.tolist() == [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
+    with pytest.raises(ValueError, match="hold no window"):
+        lm.windows(torch.arange(3), 3)
+
+
+def test_evaluate_is_the_mean_cross_entropy_over_the_windows():
+    torch.manual_seed(0)
+    model = lm.build(TINY, len(VOCAB)).eval()
+    tokens = TOKENS[:200]
+    x, y = lm.windows(tokens, TINY.context)
+    with torch.no_grad():
+        want = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+    assert lm.evaluate(model, tokens, batch=5) == pytest.approx(float(want), rel=1e-12)
+
+
+def test_training_is_deterministic_and_until_gives_the_start_of_the_log():
+    model, log = lm.train(TINY, 3, SMALL_TEXT)
+    again, log2 = lm.train(TINY, 3, SMALL_TEXT)
+    assert log == log2 and set(log) == {"lr", "loss", "eval"}
+    assert len(log["loss"]) == len(log["lr"]) == TINY.steps
+    assert [r["step"] for r in log["eval"]] == [0, 3, 6]
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
+                                                 again.state_dict().values()))
+    _, start = lm.train(TINY, 3, SMALL_TEXT, until=4)
+    assert start["loss"] == log["loss"][:4] and start["lr"] == log["lr"][:4]
+    assert start["eval"] == log["eval"][:2]
+    assert log["eval"][-1]["held_out"] < log["eval"][0]["held_out"]  # it learns
+    with pytest.raises(ValueError, match="until must lie in"):
+        lm.train(TINY, 3, SMALL_TEXT, until=7)
+
+
+# --- sampling ----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    model, _ = lm.train(TINY, 0, SMALL_TEXT)
+    return model
+
+
+def test_sampling_with_the_cache_gives_what_sampling_without_it_gives(tiny_model):
+    prompt = SMALL.encode("All:\n")
+    for temperature in (1.0, 0.5, 0.0):
+        a = lm.generate(tiny_model, prompt, 10, temperature=temperature,
+                        generator=torch.Generator().manual_seed(1))
+        b = lm.generate(tiny_model, prompt, 10, temperature=temperature,
+                        generator=torch.Generator().manual_seed(1), cache=False)
+        assert torch.equal(a, b) and a.shape == (10,) and a.dtype == torch.long
+
+
+def test_temperature_zero_is_the_most_likely_character(tiny_model):
+    prompt = SMALL.encode("All:\n")
+    first = lm.generate(tiny_model, prompt, 1, temperature=0.0)
+    with torch.no_grad():
+        assert int(first) == int(tiny_model(prompt[None])[0, -1].argmax())
+
+
+def test_a_sample_longer_than_the_context_restarts_its_window_the_same_way(tiny_model):
+    prompt = SMALL.encode("All:\n")
+    a = lm.generate(tiny_model, prompt, 40, generator=torch.Generator().manual_seed(0))
+    b = lm.generate(tiny_model, prompt, 40, cache=False, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(a, b) and a.shape == (40,)
+    # greedy decoding by the stated rule: the window starts at 0, grows to 16 characters, and
+    # when a 17th arrives restarts from the last 8
+    seen, start = prompt.tolist(), 0
+    with torch.no_grad():
+        for _ in range(40):
+            seen.append(int(tiny_model(torch.tensor([seen[start:]]))[0, -1].argmax()))
+            if len(seen) - start > TINY.context:
+                start = len(seen) - TINY.context // 2
+    greedy = lm.generate(tiny_model, prompt, 40, temperature=0.0)
+    assert greedy.tolist() == seen[len(prompt):]
+    with pytest.raises(ValueError, match="temperature must be >= 0"):
+        lm.generate(tiny_model, prompt, 2, temperature=-1.0)
+
+
+# --- the heads ---------------------------------------------------------------------------------
+
+def test_the_decoder_returns_its_weights_on_request(tiny_model):
+    x = SMALL.encode(SMALL_TEXT[:12])[None]
+    logits, weights = tiny_model(x, need_weights=True)
+    torch.testing.assert_close(logits, tiny_model(x), rtol=0, atol=0)
+    assert len(weights) == TINY.num_layers and weights[0].shape == (1, TINY.num_heads, 12, 12)
+    assert torch.allclose(weights[1].sum(-1), torch.ones(1, TINY.num_heads, 12, dtype=torch.float64))
+    assert (weights[0].triu(1) == 0).all()  # causal
+
+
+def test_score_on_averages_the_weight_on_each_querys_key():
+    w = torch.zeros(1, 2, 3, 3)
+    w[0, 0, :, 0] = 1.0  # head 0: everything on position 0
+    w[0, 1, 0, 0], w[0, 1, 1, 1], w[0, 1, 2] = 1.0, 1.0, torch.tensor([0.5, 0.25, 0.25])
+    keys = torch.tensor([[-1, 0, 0]])  # rows 1 and 2 only
+    assert lm.score_on(w, keys).tolist() == [1.0, 0.25]
+    with pytest.raises(ValueError, match=r"keys must be \(B, T\) = \(1, 3\).*got \(1, 2\)"):
+        lm.score_on(w, torch.tensor([[0, 0]]))
+    with pytest.raises(ValueError, match="a key lies after its query"):
+        lm.score_on(w, torch.tensor([[1, 0, 0]]))
+    with pytest.raises(ValueError, match=r"weights must be \(B, H, T, T\), got \(2, 2\)"):
+        lm.score_on(torch.ones(2, 2), keys)
+
+
+def test_the_keys_of_the_scores_by_hand():
+    tokens = VOCAB.encode("ab cd\nef")[None]  # positions 0..7; " " at 2, "\n" at 5
+    boundaries = VOCAB.encode(" \n").tolist()
+    assert lm.back_keys(tokens, 2).tolist() == [[-1, -1, 0, 1, 2, 3, 4, 5]]
+    assert lm.last_keys(tokens, VOCAB.encode("\n").tolist()).tolist() == [
+        [-1, -1, -1, -1, -1, 5, 5, 5]]
+    assert lm.word_start_keys(tokens, boundaries).tolist() == [[-1, -1, -1, 3, 3, -1, 6, 6]]
+
+
+def test_repeated_text_holds_a_passage_twice_after_one_character():
+    rows = lm.repeated_text(TOKENS, 3, 5, torch.Generator().manual_seed(0))
+    assert rows.shape == (3, 11) and torch.equal(rows[:, 1:6], rows[:, 6:])
+    text = VOCAB.decode(rows[0])
+    assert text[1:6] in TEXT and text[:6] in TEXT
+
+
+def test_head_scores_are_weights_on_the_keys_they_name(tiny_model):
+    tokens = SMALL.encode(SMALL_TEXT)
+    x = tokens[:2 * TINY.context].view(2, -1)
+    rep = lm.repeated_text(tokens, 4, 7, torch.Generator().manual_seed(0))
+    scores = lm.head_scores(tiny_model, x, rep, SMALL)
+    assert {k: tuple(v.shape) for k, v in scores.items()} == {
+        k: (TINY.num_layers, TINY.num_heads) for k in ("previous", "two back", "word start",
+                                                       "line break", "induction")}
+    assert all(((v >= 0) & (v <= 1)).all() for v in scores.values())
+    weights = lm.attention_weights(tiny_model, x)
+    i = torch.arange(1, TINY.context)
+    torch.testing.assert_close(scores["previous"][1], weights[1][:, :, i, i - 1].mean(dim=(0, 2)))
+
+
+def test_ablation_silences_only_the_heads_named(tiny_model):
+    ablated = lm.ablate(tiny_model, [(1, 0)])
+    w = ablated.blocks[1].self_attn.out_proj.weight
+    width = TINY.d_model // TINY.num_heads
+    assert (w[:, :width] == 0).all() and (w[:, width:] != 0).all()
+    assert (tiny_model.blocks[1].self_attn.out_proj.weight[:, :width] != 0).all()  # a copy
+    x = SMALL.encode(SMALL_TEXT[:10])[None]
+    _, before = tiny_model(x, need_weights=True)
+    logits, after = ablated(x, need_weights=True)
+    torch.testing.assert_close(after[1], before[1])  # the head still attends; it writes nothing
+    assert not torch.allclose(logits, tiny_model(x))
+    with pytest.raises(ValueError, match=r"no head \(2, 0\): the model has 2 layers of 2 heads"):
+        lm.ablate(tiny_model, [(2, 0)])
+
+
+# --- saving and loading ------------------------------------------------------------------------
+
+def test_a_saved_run_loads_with_its_weights_and_log(tiny_model, tmp_path):
+    log = {"lr": [], "loss": [], "eval": []}
+    with pytest.raises(ValueError, match="the vocabulary has 62 characters, the model 52"):
+        lm.save_run(tmp_path, "tiny", TINY, 0, tiny_model, log, VOCAB)
+    record = lm.save_run(tmp_path, "tiny", TINY, 0, tiny_model, log, SMALL)
+    assert record["chars"] == "".join(SMALL.chars) and record["torch"] == torch.__version__
+    run = lm.load_run("tiny", tmp_path)
+    assert run.config == TINY and run.log == log and not run.model.training
+    assert run.vocab.chars == SMALL.chars
+    assert all(torch.equal(a, b) for a, b in zip(run.model.state_dict().values(),
+                                                 tiny_model.state_dict().values()))
+    state = torch.load(tmp_path / "tiny.pt", weights_only=True)
+    state["unembed.weight"][0, 0] += 1.0
+    torch.save(state, tmp_path / "tiny.pt")
+    with pytest.raises(ValueError, match="SHA-256 .* but tiny.json records"):
+        lm.load_run("tiny", tmp_path)
