@@ -474,25 +474,41 @@ def comparable(outputs) -> list:
     only myst_nb writes) and execution counts left out, an error by its name and message.
 
     nbconvert's CoalesceStreamsPreprocessor (which _ext/notebooks.py uses) joins the prints
-    too, but it would keep the repeated tail described below, so the joining is done here."""
+    too, but it would keep the repeated tails described below, so the joining is done here."""
     seen = []
+    run: list[str] = []  # the texts of the stream messages since the last other output
+
+    def close_run():
+        # When a cell's prints reach the build in several messages, myst-nb's coalesce_streams
+        # (myst_nb/core/utils.py) appends every later message to the first *in place*, each
+        # rstripped and ended with "\n", and leaves the later ones in the list it writes to
+        # jupyter_execute: the first already holds the rest, which follow it again, and a
+        # print that began a line gets a blank line before it. How many messages a cell's
+        # prints take depends on timing, so blank lines are left out, and messages that only
+        # repeat what the first one ends with are skipped, on both sides.
+        if not run:
+            return
+        joined = run[0]
+        if not joined.endswith("".join(run[1:])):  # not the first holding all the others
+            for text in run[1:]:
+                if not joined.endswith(text):  # a message that repeats the tail is skipped
+                    joined += text
+        seen[-1] = seen[-1][:2] + (joined,)
+        run.clear()
+
     for output in outputs:
         kind = output["output_type"]
         if kind == "stream":
-            # When a cell's prints reach the build in two messages, myst-nb's coalesce_streams
-            # (myst_nb/core/utils.py) appends the second to the first *in place*, each
-            # rstripped and ended with "\n", and leaves the second in the list it writes to
-            # jupyter_execute: the tail appears twice, and a print that began a line gets a
-            # blank line before it. So blank lines are left out, and a message that only
-            # repeats what the stream already ends with is skipped, on both sides.
             text = re.sub(r"\n{2,}", "\n", output["text"])
-            if seen and seen[-1][0] == "stream" and seen[-1][1] == output["name"]:
-                if seen[-1][2].endswith(text):
-                    continue
-                seen[-1] = ("stream", output["name"], seen[-1][2] + text)
+            if run and seen[-1][1] == output["name"]:
+                run.append(text)
             else:
+                close_run()
                 seen.append(("stream", output["name"], text))
-        elif kind == "error":
+                run.append(text)
+            continue
+        close_run()
+        if kind == "error":
             seen.append(("error", output["ename"], output["evalue"]))
         elif (spec := explorable_spec(output.get("data", {}).get("text/html", ""))) is not None:
             seen.append(("explorable figure", spec))
@@ -501,8 +517,28 @@ def comparable(outputs) -> list:
                     if not mime.startswith("application/papermill.record/")}
             if data:
                 seen.append((kind, sorted(data.items())))
+    close_run()
     return seen
 
+
+
+def test_prints_compare_however_many_messages_they_took():
+    """The same prints, as the kernel sent them in one, two or three messages, and as myst-nb
+    writes two or three messages to jupyter_execute (the first holding all, the others left
+    as they were or holding their own tails too)."""
+    a, b, c = "first line\n", "second\n", "third\n"
+
+    def out(*texts):
+        return [{"output_type": "stream", "name": "stdout", "text": t} for t in texts]
+
+    want = comparable(out(a + b + c))
+    for shape in (out(a, b + c), out(a, b, c), out(a + b, c), out(a + b + c, b + c),
+                  out(a + b + c, b, c), out(a + b + c, b + c, c), out(a + "\n" + b + c)):
+        assert comparable(shape) == want, shape
+    assert comparable(out(a, a)) == comparable(out(a))  # myst-nb's repeat of a tail
+    assert comparable(out(a) + [{"output_type": "error", "ename": "E", "evalue": "v"}]
+                      + out(b)) == [("stream", "stdout", a), ("error", "E", "v"),
+                                    ("stream", "stdout", b)]
 
 BOOK_FIGURE = re.compile(r'<script type="application/json" class="explorable-spec">(.*?)</script>',
                          re.S)
