@@ -1,7 +1,9 @@
-"""The trained runs committed in models/induction/ (`make models`, tools/models.py), which the
-chapter "Induction heads" loads: each is one of the runs tools/models.py trains, its weights are
-the ones its JSON's hash names, the book's code retrained for 50 steps reproduces the start of
-its log, and its weights, evaluated by the book's code, give the end of its log.
+"""The trained runs committed in models/induction/ and models/lm/ (`make models`,
+tools/models.py), which the chapters "Induction heads" and "A language model on real text" load:
+each is one of the runs tools/models.py trains, its weights are the ones its JSON's hash names,
+the book's code retrained for its first steps (50 of an induction run, 10 of the language
+model) reproduces the start of its log, and its weights, evaluated by the book's code, give the
+end of its log.
 
 Tolerance: the logs are float64. Retraining the first 50 steps of a two-layer, a one-layer and a
 fixed-length run under ATEN_CPU_CAPABILITY=default and =avx2 gave logs that differ by at most
