@@ -389,13 +389,15 @@ def last_keys(tokens: Tensor, ids: Iterable[int]) -> Tensor:
     return torch.cummax(torch.where(hit, i, -1), dim=-1).values
 
 
-def word_start_keys(tokens: Tensor, boundaries: Iterable[int]) -> Tensor:
-    """(B, T): the first character of the word that position i is in, the position after the
-    most recent boundary (space or line break) before i; -1 where i is itself a boundary or
-    no boundary precedes it."""
+def word_start_keys(tokens: Tensor, boundaries: Iterable[int], after: int = 3) -> Tensor:
+    """(B, T): the first letter of the word that position i is in (the position after the most
+    recent boundary, a space or line break, before i), for the positions at least ``after``
+    characters past it; -1 elsewhere. Nearer positions are left out so that the key is never
+    a fixed offset of 0 to ``after - 1`` characters, which a head could find without knowing
+    where the word starts."""
     last = last_keys(tokens, boundaries)
     i = torch.arange(tokens.shape[-1]).expand(tokens.shape)
-    return torch.where((last >= 0) & (last < i), last + 1, -1)
+    return torch.where((last >= 0) & (i - (last + 1) >= after), last + 1, -1)
 
 
 def repeated_text(tokens: Tensor, n: int, length: int, generator: torch.Generator) -> Tensor:
@@ -410,9 +412,9 @@ def repeated_text(tokens: Tensor, n: int, length: int, generator: torch.Generato
 
 def text_keys(text_windows: Tensor, vocab: Vocabulary) -> dict[str, Tensor]:
     """The keys ``(B, T)`` of the four scores on text, by name: the previous character
-    ("previous"), the one before it ("two back"), the first character of the current word
-    ("word start": after the last space or line break) and the last line break ("line
-    break")."""
+    ("previous"), the one before it ("two back"), the first letter of the current word, three
+    or more characters back ("word start": after the last space or line break) and the last
+    line break ("line break")."""
     return {"previous": back_keys(text_windows, 1), "two back": back_keys(text_windows, 2),
             "word start": word_start_keys(text_windows, vocab.encode(" \n").tolist()),
             "line break": last_keys(text_windows, vocab.encode("\n").tolist())}

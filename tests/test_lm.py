@@ -251,7 +251,12 @@ def test_the_keys_of_the_scores_by_hand():
     assert lm.back_keys(tokens, 2).tolist() == [[-1, -1, 0, 1, 2, 3, 4, 5]]
     assert lm.last_keys(tokens, VOCAB.encode("\n").tolist()).tolist() == [
         [-1, -1, -1, -1, -1, 5, 5, 5]]
-    assert lm.word_start_keys(tokens, boundaries).tolist() == [[-1, -1, -1, 3, 3, -1, 6, 6]]
+    assert lm.word_start_keys(tokens, boundaries, after=0).tolist() == [
+        [-1, -1, -1, 3, 3, -1, 6, 6]]
+    assert lm.word_start_keys(tokens, boundaries, after=1).tolist() == [
+        [-1, -1, -1, -1, 3, -1, -1, 6]]
+    longer = VOCAB.encode("a bcdefg")[None]  # the word starts at 2
+    assert lm.word_start_keys(longer, boundaries).tolist() == [[-1, -1, -1, -1, -1, 2, 2, 2]]
 
 
 def test_repeated_text_holds_a_passage_twice_after_one_character():
