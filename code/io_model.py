@@ -58,7 +58,7 @@ class TwoLevelMemory:
         self.M = M
         self.slow = dict(tensors)
         self.reads = self.writes = self.held = self.peak = 0
-        self._fast: dict[int, int] = {}  # id of a held tensor -> its elements
+        self._fast: dict[int, int] = {}  # address of a held storage -> its elements
 
     def __repr__(self) -> str:
         return (f"TwoLevelMemory(M={self.M}, reads={self.reads}, writes={self.writes}, "
@@ -70,22 +70,24 @@ class TwoLevelMemory:
         return self.reads + self.writes
 
     def hold(self, t: Tensor) -> Tensor:
-        """Count ``t`` as held in fast memory until ``free``; raise if M would be exceeded."""
-        if id(t) in self._fast:
+        """Count ``t`` as held in fast memory until ``free``; raise if M would be exceeded.
+        A view of a held tensor is part of it: it may be written, and is not held again."""
+        key = t.untyped_storage().data_ptr()
+        if key in self._fast:
             raise ValueError("this tensor is already held in fast memory")
-        n = t.numel()
+        n = t.untyped_storage().nbytes() // t.element_size()
         if self.held + n > self.M:
             raise MemoryError(f"fast memory of M={self.M} elements exceeded: {self.held} held, "
                               f"{n} more requested for a tensor of shape {tuple(t.shape)}")
-        self._fast[id(t)] = n
+        self._fast[key] = n
         self.held += n
         self.peak = max(self.peak, self.held)
         return t
 
     def free(self, *tensors: Tensor) -> None:
-        """Release tensors held in fast memory."""
+        """Release tensors held in fast memory (each with its views)."""
         for t in tensors:
-            self.held -= self._fast.pop(id(t))
+            self.held -= self._fast.pop(t.untyped_storage().data_ptr())
 
     def read(self, name: str, *index) -> Tensor:
         """A copy of ``slow[name][index]`` in fast memory; its elements count as reads."""
@@ -95,7 +97,7 @@ class TwoLevelMemory:
 
     def write(self, name: str, index, t: Tensor) -> None:
         """Copy ``t``, held in fast memory, into ``slow[name][index]``; count the writes."""
-        if id(t) not in self._fast:
+        if t.untyped_storage().data_ptr() not in self._fast:
             raise ValueError(f"write of a tensor that is not in fast memory, to {name!r}")
         self.slow[name][index] = t
         self.writes += t.numel()
