@@ -25,8 +25,9 @@ with autograd), so that the counts are those of a computation that works:
     the loop order of the FlashAttention kernels: key blocks outside; dK, dV stay in fast
     memory, and dQ goes to slow memory and back.
 
-A result used within one line only (a product added at once into an accumulator) is not
-counted: a kernel accumulates it in registers. Shapes: L queries, S keys, E = d_k, Ev = d_v;
+A temporary that lives within one statement (a product added at once into an accumulator, a
+tile of scores before it is masked) is not counted against ``M``: a kernel computes it element
+by element in registers. Reads and writes are always counted. Shapes: L queries, S keys, E = d_k, Ev = d_v;
 one head, 2-D tensors.
 """
 
@@ -41,7 +42,7 @@ from torch import Tensor
 from flash import _causal_fill, _key_tiles
 
 __all__ = ["TwoLevelMemory", "standard_forward", "flash_forward", "flash_backward",
-           "flash_blocks", "standard_counts", "flash_forward_counts",
+           "flash_blocks", "standard_blocks", "standard_counts", "flash_forward_counts",
            "flash_backward_counts"]
 
 
@@ -126,6 +127,21 @@ def flash_blocks(M: int, E: int, Ev: Optional[int] = None) -> tuple[int, int]:
     return rows, cols
 
 
+def standard_blocks(M: int, E: int, Ev: Optional[int] = None) -> tuple[int, int]:
+    """(block_rows, block_cols) for ``standard_forward``: the same inner block as
+    ``flash_blocks``, and the most query rows that fit beside it in either product (a row of Q
+    and of the tile for Z = Q K^T, a row of Y and of the tile for Y = A V): plain attention
+    keeps no state, so its query blocks can be larger."""
+    Ev = E if Ev is None else Ev
+    cols = max(1, min(E, M // (4 * (E + Ev))))
+    width = max(E, Ev)
+    rows = (M - cols * width) // (width + cols)
+    if rows < 1:
+        raise ValueError(f"a fast memory of M={M} elements cannot hold one query row and one "
+                         f"key for E={E}, Ev={Ev}")
+    return rows, cols
+
+
 # --------------------------------------------------------------------- algorithms
 
 
@@ -137,15 +153,16 @@ def standard_forward(mem: TwoLevelMemory, block_rows: int, block_cols: int, *,
                      scale: Optional[float] = None) -> None:
     """Plain attention on ``mem`` (slow tensors Q (L, E), K (S, E), V (S, Ev)): writes Z, A and
     Y (L, Ev) to slow memory. Z = Q K^T is computed in tiles of ``block_rows x block_cols``, the
-    softmax in groups of whole rows (so a row of S scores must fit in fast memory), and
-    Y = A V in tiles again."""
+    softmax row by row, and
+    Y = A V in tiles again. The softmax reads whole rows when a row of S scores fits in fast
+    memory; otherwise it reads each row twice, in chunks: once for its maximum and sum (as the
+    online softmax does), once to write A."""
     Q, K, V = mem.slow["Q"], mem.slow["K"], mem.slow["V"]
     L, E = Q.shape
     S, Ev = V.shape
     scale = _scale(E, scale)
-    if S > mem.M:
-        raise MemoryError(f"standard attention's softmax holds a row of S={S} scores, more than "
-                          f"the fast memory's M={mem.M} elements")
+    if mem.M < 3:
+        raise MemoryError(f"the softmax needs at least 3 elements of fast memory, got M={mem.M}")
     mem.slow["Z"] = Q.new_empty(L, S)
     mem.slow["A"] = Q.new_empty(L, S)
     mem.slow["Y"] = Q.new_empty(L, Ev)
@@ -159,14 +176,32 @@ def standard_forward(mem: TwoLevelMemory, block_rows: int, block_cols: int, *,
             mem.write("Z", (slice(i0, i1), slice(j0, j1)), z)
             mem.free(k, z)
         mem.free(q)
-    rows = mem.M // S  # 2. A = softmax(Z), whole rows at a time
-    for i0 in range(0, L, rows):
-        i1 = min(i0 + rows, L)
-        z = mem.read("Z", slice(i0, i1))
-        a = torch.softmax(z, dim=-1)
-        mem.free(z)  # a kernel computes the softmax in place: a takes z's place
-        mem.write("A", slice(i0, i1), mem.hold(a))
-        mem.free(a)
+    if S <= mem.M:  # 2. A = softmax(Z): whole rows at a time when a row fits
+        rows = mem.M // S
+        for i0 in range(0, L, rows):
+            i1 = min(i0 + rows, L)
+            z = mem.read("Z", slice(i0, i1))
+            a = torch.softmax(z, dim=-1)
+            mem.free(z)  # a kernel computes the softmax in place: a takes z's place
+            mem.write("A", slice(i0, i1), mem.hold(a))
+            mem.free(a)
+    else:  # a row does not fit: one pass for its maximum and sum, one to write A
+        width = mem.M - 2  # a chunk of the row beside the row's m and ell
+        for i in range(L):
+            m = mem.hold(Q.new_full((), float("-inf")))
+            ell = mem.hold(Q.new_zeros(()))
+            for j0 in range(0, S, width):
+                z = mem.read("Z", i, slice(j0, j0 + width))
+                m_new = torch.maximum(m, z.max())
+                ell.mul_(torch.exp(m - m_new)).add_(torch.exp(z - m_new).sum())
+                m.copy_(m_new)
+                mem.free(z)
+            for j0 in range(0, S, width):
+                z = mem.read("Z", i, slice(j0, j0 + width))
+                z.sub_(m).exp_().div_(ell)
+                mem.write("A", (i, slice(j0, j0 + width)), z)
+                mem.free(z)
+            mem.free(m, ell)
     for i0 in range(0, L, block_rows):  # 3. Y = A V, tile by tile
         i1 = min(i0 + block_rows, L)
         y = mem.hold(Q.new_zeros(i1 - i0, Ev))
@@ -231,13 +266,15 @@ def _query_tiles(j0: int, L: int, block_rows: int, is_causal: bool):
             yield i0, i1
 
 
-def _tile_grads(q, k, v, d_y, lse, D, i0, j0, scale, is_causal):
-    """The tile's weights a (recomputed from lse) and dZ, both (r, c)."""
-    z = q @ k.T * scale
+def _tile_grads(mem, q, k, v, d_y, lse, D, i0, j0, scale, is_causal):
+    """The tile's weights a (recomputed from lse) and dZ, both (r, c) and held: the scores
+    become the weights in place, and dA = dY V^T becomes dZ = a (dA - D) in place."""
+    a = q @ k.T * scale
     if is_causal:
-        z = _causal_fill(z, i0, j0)
-    a = torch.exp(z - lse[:, None])
-    dz = a * (d_y @ v.T - D[:, None])
+        a = _causal_fill(a, i0, j0)
+    mem.hold(a).sub_(lse[:, None]).exp_()
+    dz = mem.hold(d_y @ v.T)
+    dz.sub_(D[:, None]).mul_(a)
     return a, dz
 
 
@@ -288,8 +325,7 @@ def flash_backward(mem: TwoLevelMemory, block_rows: int, block_cols: int, *,
                 dk = read_or_zero("dK", cols, (j1 - j0, E), j0 in started)
                 dv = read_or_zero("dV", cols, (j1 - j0, Ev), j0 in started)
                 started.add(j0)
-                a, dz = (mem.hold(t) for t in
-                         _tile_grads(q, k, v, d_y, lse, D, i0, j0, scale, is_causal))
+                a, dz = _tile_grads(mem, q, k, v, d_y, lse, D, i0, j0, scale, is_causal)
                 dv += a.T @ d_y
                 dq += dz @ k * scale
                 dk += dz.T @ q * scale
@@ -312,8 +348,7 @@ def flash_backward(mem: TwoLevelMemory, block_rows: int, block_cols: int, *,
                 lse, D = mem.read("lse", rows), mem.read("D", rows)
                 dq = read_or_zero("dQ", rows, (i1 - i0, E), i0 in started)
                 started.add(i0)
-                a, dz = (mem.hold(t) for t in
-                         _tile_grads(q, k, v, d_y, lse, D, i0, j0, scale, is_causal))
+                a, dz = _tile_grads(mem, q, k, v, d_y, lse, D, i0, j0, scale, is_causal)
                 dv += a.T @ d_y
                 dq += dz @ k * scale
                 dk += dz.T @ q * scale
@@ -331,11 +366,14 @@ def _blocks(n: int, b: int) -> int:
     return -(-n // b)
 
 
-def standard_counts(L: int, S: int, E: int, Ev: int, block_rows: int) -> dict:
+def standard_counts(L: int, S: int, E: int, Ev: int, block_rows: int,
+                    M: Optional[int] = None) -> dict:
     """Elements ``standard_forward`` reads and writes: Q once and K once per block of query
-    rows, then Z read and A written, then A read and V once per block of query rows."""
+    rows, then Z read (twice if a row of S scores does not fit in ``M``) and A written, then A
+    read and V once per block of query rows."""
     n = _blocks(L, block_rows)
-    reads = L * E + n * S * E + L * S + L * S + n * S * Ev
+    softmax_reads = L * S * (2 if M is not None and S > M else 1)
+    reads = L * E + n * S * E + softmax_reads + L * S + n * S * Ev
     writes = L * S + L * S + L * Ev
     return {"reads": reads, "writes": writes, "accesses": reads + writes}
 

@@ -8,7 +8,8 @@ import torch
 
 from attention import scaled_dot_product_attention
 from io_model import (TwoLevelMemory, flash_backward, flash_backward_counts, flash_blocks,
-                      flash_forward, flash_forward_counts, standard_counts, standard_forward)
+                      flash_forward, flash_forward_counts, standard_blocks, standard_counts,
+                      standard_forward)
 
 F64 = torch.float64
 SHAPES = [(37, 53, 8, 6), (64, 64, 16, 16), (100, 30, 4, 12), (1, 9, 5, 3), (9, 1, 3, 5)]
@@ -42,7 +43,7 @@ def test_both_forward_passes_compute_attention_and_move_what_the_formulas_say(L,
         standard = TwoLevelMemory(M, **t)
         standard_forward(standard, r, c)
         torch.testing.assert_close(standard.slow["Y"], reference(t))
-        counts = standard_counts(L, S, E, Ev, r)
+        counts = standard_counts(L, S, E, Ev, r, M)
         assert (standard.reads, standard.writes) == (counts["reads"], counts["writes"])
         assert standard.peak <= M and standard.held == 0
         assert standard.accesses - tiled.accesses == 4 * L * S - L
@@ -99,10 +100,39 @@ def test_the_fast_memory_is_never_exceeded_and_says_so():
         mem.write("Q", slice(0, 10), torch.zeros(10, 8))
 
 
-def test_standard_attention_refuses_rows_longer_than_the_fast_memory():
-    t = inputs(4, 300, 2, 2)
-    with pytest.raises(MemoryError, match="S=300"):
-        standard_forward(TwoLevelMemory(256, **t), 1, 1)
+def test_standard_attention_reads_rows_longer_than_the_fast_memory_twice():
+    t = inputs(5, 300, 2, 3, seed=4)
+    M = 256
+    r, c = standard_blocks(M, 2, 3)
+    mem = TwoLevelMemory(M, **t)
+    standard_forward(mem, r, c)
+    torch.testing.assert_close(mem.slow["Y"], reference(t))
+    counts = standard_counts(5, 300, 2, 3, r, M)
+    assert (mem.reads, mem.writes) == (counts["reads"], counts["writes"])
+    assert counts["reads"] - standard_counts(5, 300, 2, 3, r)["reads"] == 5 * 300
+    assert mem.peak <= M
+
+
+def test_plain_attention_moves_fewer_numbers_when_the_fast_memory_is_small_against_d_squared():
+    """With each pass's own blocks, tiling loses below about d^2 and wins above it."""
+    N, d = 4096, 64
+    for M, tiled_wins in [(2**10, False), (2**11, False), (2**13, True), (2**14, True)]:
+        standard = standard_counts(N, N, d, d, standard_blocks(M, d)[0], M)["accesses"]
+        tiled = flash_forward_counts(N, N, d, d, flash_blocks(M, d)[0])["accesses"]
+        assert (tiled < standard) == tiled_wins, (M, standard, tiled)
+
+
+@pytest.mark.parametrize("L,S,E,Ev", SHAPES)
+@pytest.mark.parametrize("M", [300, 5000])
+def test_standard_blocks_fit(L, S, E, Ev, M):
+    t = inputs(L, S, E, Ev)
+    r, c = standard_blocks(M, E, Ev)
+    mem = TwoLevelMemory(M, **t)
+    standard_forward(mem, r, c)
+    torch.testing.assert_close(mem.slow["Y"], reference(t))
+    assert mem.peak <= M
+    counts = standard_counts(L, S, E, Ev, r, M)
+    assert (mem.reads, mem.writes) == (counts["reads"], counts["writes"])
 
 
 @pytest.mark.parametrize("M", [0, -3, 2.5, True, "64"])
