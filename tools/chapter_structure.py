@@ -35,8 +35,8 @@ CHAPTER_DOC = re.compile(r"chapters/\d\d-[\w-]+$")  # a numbered chapter's docna
 # which import all of those).
 # In the order of their imports: a module comes after those it imports (the setup cell imports
 # them one by one, fetching each that is missing).
-TEACHING_FILES = ("attention.py", "stored.py", "position.py", "flash.py", "transformer.py",
-                  "diagrams.py", "induction.py", "lm.py", "explorable.py")
+TEACHING_FILES = ("attention.py", "stored.py", "position.py", "flash.py", "io_model.py",
+                  "transformer.py", "diagrams.py", "induction.py", "lm.py", "explorable.py")
 CHECKING_FILE = "checking.py"
 CHECK_FILES = tuple(sorted(path.name for path in (ROOT / "code").glob("checks_*.py")))
 CODE_FILES = (*TEACHING_FILES, CHECKING_FILE, *CHECK_FILES)
