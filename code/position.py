@@ -10,7 +10,9 @@ put order back in the three ways that the book compares.
   applied to queries and keys; the half-split layout of GPT-NeoX and Hugging
   Face. ``interleaved_to_half_split`` gives the feature permutation that
   converts weights written for the interleaved layout (RoFormer, Meta's
-  original Llama code) into it.
+  original Llama code) into it. ``rotary_frequencies(..., scaling=)`` gives
+  the stretched frequencies of position interpolation, "NTK-aware" scaling
+  and YaRN, and ``yarn_attention_scale`` YaRN's factor on queries and keys.
 - ``alibi_slopes`` and ``alibi_bias``: attention with linear biases (ALiBi,
   Press et al. 2022), a float ``attn_mask`` added to the scores.
 
@@ -30,6 +32,7 @@ __all__ = [
     "sinusoidal_encoding",
     "rotary_frequencies",
     "rotary_embedding",
+    "yarn_attention_scale",
     "interleaved_to_half_split",
     "alibi_slopes",
     "alibi_bias",
@@ -79,23 +82,93 @@ def sinusoidal_encoding(
 # ---------------------------------------------------------------------- rotary
 
 
+def _scale_factor(s) -> float:
+    if isinstance(s, bool) or not isinstance(s, (int, float)) \
+            or not math.isfinite(s) or s < 1:
+        raise ValueError(
+            f"the scale factor s of a RoPE scaling must be a finite number "
+            f">= 1 (test length over training length), got {s!r}")
+    return float(s)
+
+
 def rotary_frequencies(
-    d: int, *, base: float = 10000.0, dtype: torch.dtype = torch.float64,
-    device=None,
+    d: int, *, base: float = 10000.0, scaling=None,
+    dtype: torch.dtype = torch.float64, device=None,
 ) -> Tensor:
     """The ``(d/2,)`` frequencies ``base**(-2i/d)``, i = 0 .. d/2 - 1.
 
     Pair i of a rotated vector turns by the angle ``p * freq[i]`` at
     position p: the first pair fastest (one radian per position), the last
     slowest.
+
+    ``scaling`` stretches the frequencies for sequences ``s`` times longer
+    than those of training (``s >= 1``; ``s = 1`` changes nothing):
+
+    - ``None``: the plain frequencies above.
+    - ``("linear", s)``: position interpolation (Chen et al., 2023): every
+      frequency divided by s, the same as positions divided by s.
+    - ``("ntk", s)``: "NTK-aware" scaling (as written in Peng et al., 2024):
+      the base multiplied by ``s**(d/(d-2))``, so that the first pair keeps
+      its frequency and the last one is divided by s; pair i is divided by
+      ``s**(2i/(d-2))``.
+    - ``("yarn", s, train_length)`` or ``("yarn", s, train_length, alpha,
+      beta)``: YaRN's "NTK-by-parts" frequencies (Peng et al., 2024), with
+      ``alpha=1, beta=32`` by default (the paper's values for Llama). With
+      the wavelength ``lam = 2 pi / freq`` and the number of turns over the
+      training length ``r = train_length / lam``, the ramp
+      ``k = clamp((r - alpha) / (beta - alpha), 0, 1)`` gives
+      ``(1 - k) * freq / s + k * freq``: pairs that turn fewer than alpha
+      times are interpolated, pairs that turn more than beta times are left
+      alone. YaRN's attention temperature is ``yarn_attention_scale``.
+
+    Bad input (unknown kind, ``s < 1``, wrong number of entries,
+    ``train_length < 1``, ``alpha >= beta``) raises ``ValueError``.
     """
     _even_width("d", d)
     two_i = torch.arange(0, d, 2, dtype=torch.float64, device=device)
-    return (base ** (-two_i / d)).to(dtype)  # (d/2,)
+    freq = base ** (-two_i / d)  # (d/2,)
+    if scaling is None:
+        return freq.to(dtype)
+    kinds = {"linear": 2, "ntk": 2, "yarn": (3, 5)}
+    if (not isinstance(scaling, (tuple, list)) or not scaling
+            or scaling[0] not in kinds):
+        raise ValueError(
+            "scaling must be None, ('linear', s), ('ntk', s), "
+            f"('yarn', s, train_length[, alpha, beta]); got {scaling!r}")
+    kind, sizes = scaling[0], kinds[scaling[0]]
+    if len(scaling) not in (sizes if isinstance(sizes, tuple) else (sizes,)):
+        raise ValueError(
+            f"scaling {kind!r} takes {sizes} entries in all, got {scaling!r}")
+    s = _scale_factor(scaling[1])
+    if kind == "linear":
+        return (freq / s).to(dtype)
+    if kind == "ntk":
+        if d == 2:  # one pair, the fastest: nothing to change
+            return freq.to(dtype)
+        return ((base * s ** (d / (d - 2))) ** (-two_i / d)).to(dtype)
+    train_length = _positive_int("train_length", scaling[2])
+    alpha, beta = (1.0, 32.0) if len(scaling) == 3 else scaling[3:]
+    if not 0 <= alpha < beta:
+        raise ValueError(
+            f"YaRN needs 0 <= alpha < beta, got alpha={alpha!r}, beta={beta!r}")
+    turns = train_length * freq / (2 * math.pi)  # r = L / wavelength, (d/2,)
+    keep = ((turns - alpha) / (beta - alpha)).clamp(0, 1)  # (d/2,)
+    return ((1 - keep) * freq / s + keep * freq).to(dtype)
+
+
+def yarn_attention_scale(s: float) -> float:
+    """YaRN's factor ``0.1 ln(s) + 1`` (Peng et al., 2024).
+
+    The paper divides the scores by a temperature t with
+    ``sqrt(1/t) = 0.1 ln(s) + 1``; its code multiplies both the queries and
+    the keys by this factor, so the scores grow by its square. ``s >= 1``.
+    """
+    return 0.1 * math.log(_scale_factor(s)) + 1.0
 
 
 def rotary_embedding(
-    x: Tensor, positions: Optional[Tensor] = None, *, base: float = 10000.0
+    x: Tensor, positions: Optional[Tensor] = None, *, base: float = 10000.0,
+    scaling=None, rotary_dim: Optional[int] = None,
 ) -> Tensor:
     """Rotate the queries or keys ``x`` ``(..., L, d)`` by their positions.
 
@@ -110,6 +183,13 @@ def rotary_embedding(
     ids per sequence of an ``(B, H, L, d)`` input (left padding). Default
     ``arange(L)``. Returns a tensor of x's shape and dtype; the angles are
     computed in float64 and the rotation in float32 or wider.
+
+    ``scaling``: the frequencies of ``rotary_frequencies(..., scaling=)``
+    (position interpolation, NTK-aware, YaRN); default the plain ones.
+    ``rotary_dim``: rotate only the first ``rotary_dim`` features (even,
+    at most d), half-split among themselves (feature i with
+    i + rotary_dim/2) with the frequencies of width ``rotary_dim``, and pass
+    the others through unchanged, as GPT-NeoX's ``rotary_pct`` does.
     """
     if not isinstance(x, Tensor) or not x.is_floating_point():
         raise TypeError(
@@ -119,10 +199,20 @@ def rotary_embedding(
         raise ValueError(
             f"rotary_embedding expects x of shape (..., L, d), got {tuple(x.shape)}")
     L, d = x.shape[-2], x.shape[-1]
-    if d % 2:
-        raise ValueError(
-            f"rotary_embedding rotates pairs of features: the last dim d of x "
-            f"must be even, got x of shape {tuple(x.shape)}")
+    if rotary_dim is None:
+        if d % 2:
+            raise ValueError(
+                f"rotary_embedding rotates pairs of features: the last dim d of x "
+                f"must be even, got x of shape {tuple(x.shape)}")
+        r = d
+    else:
+        if (isinstance(rotary_dim, bool) or not isinstance(rotary_dim, int)
+                or rotary_dim < 2 or rotary_dim % 2 or rotary_dim > d):
+            raise ValueError(
+                f"rotary_dim must be an even integer from 2 to the last dim d "
+                f"of x, got rotary_dim={rotary_dim!r} for x of shape "
+                f"{tuple(x.shape)}")
+        r = rotary_dim
     if positions is None:
         positions = torch.arange(L, device=x.device)
     positions = torch.as_tensor(positions, device=x.device)
@@ -139,17 +229,22 @@ def rotary_embedding(
             f"positions of shape {tuple(positions.shape)} do not broadcast to "
             f"x.shape[:-1] = {tuple(x.shape[:-1])} of x {tuple(x.shape)}; use "
             "(L,) for one row of positions, (B, 1, L) for one per sequence")
-    freq = rotary_frequencies(d, base=base, device=x.device)  # (d/2,)
-    angles = positions.to(torch.float64)[..., None] * freq  # (..., L, d/2)
+    freq = rotary_frequencies(r, base=base, scaling=scaling,
+                              device=x.device)  # (r/2,)
+    angles = positions.to(torch.float64)[..., None] * freq  # (..., L, r/2)
     work = torch.promote_types(x.dtype, torch.float32)
     cos = torch.cos(angles).to(work)
     sin = torch.sin(angles).to(work)
-    x1, x2 = x.to(work)[..., : d // 2], x.to(work)[..., d // 2:]
-    out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    wide = x.to(work)
+    x1, x2 = wide[..., : r // 2], wide[..., r // 2:r]
+    out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, wide[..., r:]],
+                    dim=-1)
     return out.to(x.dtype)  # (..., L, d)
 
 
-def interleaved_to_half_split(head_dim: int, num_heads: int = 1) -> Tensor:
+def interleaved_to_half_split(
+    head_dim: int, num_heads: int = 1, *, rotary_dim: Optional[int] = None,
+) -> Tensor:
     """Index ``(num_heads * head_dim,)``: the output feature of an
     interleaved-layout projection that goes to each half-split position.
 
@@ -159,13 +254,25 @@ def interleaved_to_half_split(head_dim: int, num_heads: int = 1) -> Tensor:
     ``[0, 2, 4, ..., head_dim-2, 1, 3, ..., head_dim-1]``: a model whose
     ``W_Q`` and ``W_K`` (``d_model x d``, row vectors) have their columns
     taken in this order, ``W[:, index]`` (``weight[index]`` for an
-    ``nn.Linear``), computes the same scores with half-split RoPE as the
-    original with interleaved RoPE.
+    ``nn.Linear``, and ``bias[index]`` for its bias), computes the same
+    scores with half-split RoPE as the original with interleaved RoPE.
+
+    ``rotary_dim``: when only the first ``rotary_dim`` features of each head
+    are rotated (GPT-J's ``rotary_dim``), only they are reordered,
+    ``[0, 2, ..., rotary_dim-2, 1, 3, ..., rotary_dim-1]``, and the features
+    from ``rotary_dim`` on keep their places; it must be even and at most
+    ``head_dim``.
     """
-    _even_width("head_dim", head_dim)
+    _positive_int("head_dim", head_dim)
     _positive_int("num_heads", num_heads)
-    one = torch.cat([torch.arange(0, head_dim, 2),
-                     torch.arange(1, head_dim, 2)])  # (head_dim,)
+    r = head_dim if rotary_dim is None else rotary_dim
+    if (isinstance(r, bool) or not isinstance(r, int) or r < 2 or r % 2
+            or r > head_dim):
+        raise ValueError(
+            f"the rotated width must be an even integer from 2 to head_dim="
+            f"{head_dim}, got {r!r}")
+    one = torch.cat([torch.arange(0, r, 2), torch.arange(1, r, 2),
+                     torch.arange(r, head_dim)])  # (head_dim,)
     offsets = torch.arange(num_heads)[:, None] * head_dim  # (H, 1)
     return (offsets + one).reshape(-1)  # (num_heads * head_dim,)
 

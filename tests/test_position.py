@@ -192,3 +192,176 @@ def test_errors_name_the_shapes():
         alibi_bias(0, 4)
     with pytest.raises(ValueError, match="positive"):
         alibi_slopes(2.5)
+
+
+# --------------------------------------------------- scaled frequencies (PI, NTK, YaRN)
+
+
+def yarn_loops(d, s, train_length, alpha=1.0, beta=32.0, base=10000.0):
+    """YaRN's frequencies pair by pair, as the paper writes them (h(theta_d))."""
+    out = []
+    for i in range(d // 2):
+        theta = base ** (-2 * i / d)
+        r = train_length / (2 * math.pi / theta)  # turns over the training length
+        ramp = 0.0 if r < alpha else 1.0 if r > beta else (r - alpha) / (beta - alpha)
+        out.append((1 - ramp) * theta / s + ramp * theta)
+    return torch.tensor(out, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("d", [2, 8, 64, 128])
+def test_scalings_with_s_one_are_the_plain_frequencies(d):
+    plain = rotary_frequencies(d)
+    for scaling in (("linear", 1), ("ntk", 1.0), ("yarn", 1, 4096), ("yarn", 1, 16, 1, 2)):
+        torch.testing.assert_close(rotary_frequencies(d, scaling=scaling), plain,
+                                   atol=0, rtol=1e-14)
+
+
+def test_linear_scaling_divides_every_frequency():
+    for s in (2, 4.5):
+        torch.testing.assert_close(rotary_frequencies(64, scaling=("linear", s)),
+                                   rotary_frequencies(64) / s, atol=0, rtol=1e-14)
+    # The same as positions divided by s: position s*p with PI is position p without it.
+    x = torch.randn(3, 5, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
+    torch.testing.assert_close(rotary_embedding(x, torch.arange(5) * 4, scaling=("linear", 4)),
+                               rotary_embedding(x), atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("d, base", [(8, 100.0), (64, 10000.0), (128, 500000.0)])
+def test_ntk_keeps_the_fastest_pair_and_interpolates_the_slowest(d, base):
+    s = 4.0
+    plain = rotary_frequencies(d, base=base)
+    ntk = rotary_frequencies(d, base=base, scaling=("ntk", s))
+    assert float(ntk[0]) == float(plain[0]) == 1.0
+    torch.testing.assert_close(ntk[-1], plain[-1] / s, atol=0, rtol=1e-12)
+    c = torch.arange(d // 2, dtype=torch.float64)  # 0-based pair index
+    torch.testing.assert_close(ntk, plain / s ** (2 * c / (d - 2)), atol=0, rtol=1e-12)
+    assert bool((ntk <= plain).all()) and bool((ntk >= plain / s).all())
+
+
+@pytest.mark.parametrize("d, s, L, alpha, beta", [
+    (128, 4.0, 4096, 1.0, 32.0), (64, 8.0, 2048, 1.0, 32.0), (8, 2.0, 16, 1.0, 2.0)])
+def test_yarn_matches_the_paper_pair_by_pair(d, s, L, alpha, beta):
+    got = rotary_frequencies(d, scaling=("yarn", s, L, alpha, beta))
+    torch.testing.assert_close(got, yarn_loops(d, s, L, alpha, beta), atol=0, rtol=1e-13)
+    plain = rotary_frequencies(d)
+    turns = L * plain / (2 * math.pi)
+    fast, slow = turns > beta, turns < alpha
+    torch.testing.assert_close(got[fast], plain[fast], atol=0, rtol=0)  # left alone
+    torch.testing.assert_close(got[slow], plain[slow] / s, atol=0, rtol=1e-14)  # interpolated
+    ratio = got / plain  # from 1 for the fastest pairs down to 1/s, never rising
+    assert bool((ratio[1:] <= ratio[:-1] + 1e-15).all())
+
+
+def test_yarn_default_bounds_are_the_papers():
+    torch.testing.assert_close(rotary_frequencies(128, scaling=("yarn", 4, 4096)),
+                               rotary_frequencies(128, scaling=("yarn", 4, 4096, 1, 32)))
+
+
+def test_rotary_embedding_uses_the_scaled_frequencies():
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(6, 8, generator=g, dtype=torch.float64)
+    pos = torch.arange(6) * 5
+    for scaling in (("linear", 2), ("ntk", 3), ("yarn", 2, 16, 1, 2)):
+        freq = rotary_frequencies(8, scaling=scaling)
+        want = torch.zeros_like(x)
+        for t in range(6):
+            for i in range(4):
+                a = int(pos[t]) * float(freq[i])
+                u, v = float(x[t, i]), float(x[t, i + 4])
+                want[t, i] = u * math.cos(a) - v * math.sin(a)
+                want[t, i + 4] = v * math.cos(a) + u * math.sin(a)
+        torch.testing.assert_close(rotary_embedding(x, pos, scaling=scaling), want,
+                                   atol=1e-12, rtol=0)
+
+
+def test_yarn_attention_scale():
+    from position import yarn_attention_scale
+    assert yarn_attention_scale(1) == 1.0
+    assert abs(yarn_attention_scale(math.e) - 1.1) < 1e-15
+    assert abs(yarn_attention_scale(16) - (0.1 * math.log(16) + 1)) < 1e-15
+
+
+@pytest.mark.parametrize("scaling, match", [
+    (("cubic", 2), "scaling must be"), ("linear", "scaling must be"),
+    (("linear", 0.5), ">= 1"), (("ntk", float("nan")), ">= 1"), (("ntk", True), ">= 1"),
+    (("linear", 2, 3), "entries"), (("yarn", 2), "entries"),
+    (("yarn", 2, 0), "train_length"), (("yarn", 2, 16, 2, 1), "alpha < beta")])
+def test_bad_scalings_raise_a_clear_value_error(scaling, match):
+    with pytest.raises(ValueError, match=match):
+        rotary_frequencies(8, scaling=scaling)
+
+
+def test_yarn_attention_scale_rejects_shrinking():
+    from position import yarn_attention_scale
+    with pytest.raises(ValueError, match=">= 1"):
+        yarn_attention_scale(0.5)
+
+
+# --------------------------------------------------------------------- partial rotary
+
+
+def test_partial_rotary_rotates_the_first_features_only():
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(2, 3, 7, 10, generator=g, dtype=torch.float64)
+    ids = torch.tensor([[0, 1, 2, 3, 4, 5, 6], [0, 0, 1, 2, 3, 4, 5]])[:, None, :]
+    got = rotary_embedding(x, ids, rotary_dim=4)
+    torch.testing.assert_close(got[..., :4], rotary_embedding(x[..., :4], ids))
+    assert torch.equal(got[..., 4:], x[..., 4:])
+    torch.testing.assert_close(rotary_embedding(x, rotary_dim=10), rotary_embedding(x))
+    odd = torch.randn(5, 7, generator=g, dtype=torch.float64)  # odd width, even rotary part
+    assert torch.equal(rotary_embedding(odd, rotary_dim=6)[:, 6], odd[:, 6])
+
+
+def test_partial_rotary_scores_split_into_rotated_and_content_terms():
+    g = torch.Generator().manual_seed(9)
+    q = torch.randn(9, 12, generator=g, dtype=torch.float64)
+    k = torch.randn(9, 12, generator=g, dtype=torch.float64)
+    scores = rotary_embedding(q, rotary_dim=4) @ rotary_embedding(k, rotary_dim=4).T
+    rotated = rotary_embedding(q[:, :4]) @ rotary_embedding(k[:, :4]).T
+    torch.testing.assert_close(scores - rotated, q[:, 4:] @ k[:, 4:].T, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("rotary_dim, match", [(3, "even"), (0, "even"), (12, "even"),
+                                               (2.0, "even")])
+def test_partial_rotary_rejects_bad_widths(rotary_dim, match):
+    with pytest.raises(ValueError, match=match):
+        rotary_embedding(torch.randn(4, 10), rotary_dim=rotary_dim)
+
+
+def test_partial_layouts_convert_by_permutation_with_biases():
+    """GPT-J style (interleaved pairs on the first r features of each head, biases on the
+    projections) against half-split on the same r features after the permutation."""
+    g = torch.Generator().manual_seed(10)
+    H, d_h, r, d_model, T = 2, 6, 4, 8, 5
+    w_q, w_k = (torch.randn(d_model, H * d_h, generator=g, dtype=torch.float64) for _ in "qk")
+    b_q, b_k = (torch.randn(H * d_h, generator=g, dtype=torch.float64) for _ in "qk")
+    x = torch.randn(T, d_model, generator=g, dtype=torch.float64)
+
+    def interleaved_partial(u):  # (T, H * d_h), per head: loops on the first r features
+        out = u.clone()
+        for h in range(H):
+            part = u[:, h * d_h:h * d_h + r]
+            out[:, h * d_h:h * d_h + r] = rope_interleaved_loops(part)
+        return out
+
+    def per_head(u):
+        return u.view(T, H, d_h).transpose(0, 1)  # (H, T, d_h)
+
+    q_a, k_a = interleaved_partial(x @ w_q + b_q), interleaved_partial(x @ w_k + b_k)
+    scores_a = per_head(q_a) @ per_head(k_a).transpose(-2, -1)
+    perm = interleaved_to_half_split(d_h, num_heads=H, rotary_dim=r)
+    assert perm.tolist() == [0, 2, 1, 3, 4, 5, 6, 8, 7, 9, 10, 11]
+    q_b = rotary_embedding(per_head(x @ w_q[:, perm] + b_q[perm]), rotary_dim=r)
+    k_b = rotary_embedding(per_head(x @ w_k[:, perm] + b_k[perm]), rotary_dim=r)
+    torch.testing.assert_close(q_b @ k_b.transpose(-2, -1), scores_a, atol=1e-12, rtol=0)
+    # Without permuting the biases the scores change.
+    q_c = rotary_embedding(per_head(x @ w_q[:, perm] + b_q), rotary_dim=r)
+    k_c = rotary_embedding(per_head(x @ w_k[:, perm] + b_k), rotary_dim=r)
+    assert float((q_c @ k_c.transpose(-2, -1) - scores_a).abs().max()) > 1e-3
+
+
+def test_permutation_rejects_bad_widths():
+    with pytest.raises(ValueError, match="even"):
+        interleaved_to_half_split(5)
+    with pytest.raises(ValueError, match="even"):
+        interleaved_to_half_split(8, rotary_dim=10)
