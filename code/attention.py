@@ -88,14 +88,18 @@ def softmax(scores: Tensor, dim: int = -1) -> Tensor:
 
 def causal_mask(
     L: int, S: Optional[int] = None, *, window: Optional[int] = None,
-    device=None,
+    sinks: int = 0, device=None,
 ) -> Tensor:
     """Boolean ``(L, S)`` mask, True on and below the diagonal.
 
     Query i may attend to keys 0..i. With ``S != L`` the diagonal starts at
     the top-left corner, as PyTorch's ``is_causal=True`` does. With
     ``window=W`` query i sees only the last W of them, keys i-W+1..i (a
-    sliding window): True where ``0 <= i - j < W``.
+    sliding window): True where ``0 <= i - j < W``. ``sinks=s`` keeps the
+    first s keys visible besides the window (the "attention sinks" of
+    StreamingLLM): True where ``j <= i`` and (``i - j < W`` or ``j < s``),
+    at most W + s keys per query. Without a window every earlier key is
+    visible already, and ``sinks`` changes nothing.
     """
     S = L if S is None else S
     sizes = {"L": L, "S": S, **({} if window is None else {"window": window})}
@@ -104,9 +108,15 @@ def causal_mask(
             raise ValueError(
                 f"causal_mask needs positive integer sizes, got {name}={n!r}"
             )
-    mask = torch.ones(L, S, dtype=torch.bool, device=device).tril()  # (L, S)
-    if window is not None:
-        mask = mask.triu(-(window - 1))  # drop keys W or more steps back
+    if isinstance(sinks, bool) or not isinstance(sinks, int) or sinks < 0:
+        raise ValueError(
+            f"causal_mask needs a non-negative integer sinks, got {sinks!r}"
+        )
+    causal = torch.ones(L, S, dtype=torch.bool, device=device).tril()  # (L, S)
+    if window is None:
+        return causal
+    mask = causal.triu(-(window - 1))  # drop keys W or more steps back
+    mask[:, :sinks] |= causal[:, :sinks]  # the first keys, where causal
     return mask
 
 

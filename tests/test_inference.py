@@ -231,6 +231,25 @@ class TestSlidingWindow:
                 assert bool(m[i, j]) == (0 <= i - j < 3)
         assert torch.equal(causal_mask(4, window=10), causal_mask(4))
 
+    @pytest.mark.parametrize("L, S", [(7, 7), (3, 7), (7, 4)])
+    def test_sink_mask_entries(self, L, S):
+        """The first s keys stay visible (where causal) besides the window of W."""
+        for window in (1, 2, 3):
+            for sinks in (0, 1, 2, 9):
+                m = causal_mask(L, S, window=window, sinks=sinks)
+                for i in range(L):
+                    for j in range(S):
+                        assert bool(m[i, j]) == (j <= i and (i - j < window or j < sinks))
+        assert torch.equal(causal_mask(L, S, window=2, sinks=0), causal_mask(L, S, window=2))
+        assert torch.equal(causal_mask(L, S, sinks=3), causal_mask(L, S))  # no window
+        assert torch.equal(causal_mask(L, S, window=1, sinks=S), causal_mask(L, S))
+        assert int(causal_mask(20, window=5, sinks=3).sum(-1).max()) == 5 + 3
+
+    @pytest.mark.parametrize("sinks", [-1, 1.0, True, None])
+    def test_sinks_must_be_a_non_negative_integer(self, sinks):
+        with pytest.raises(ValueError, match="non-negative integer sinks, got"):
+            causal_mask(4, window=2, sinks=sinks)
+
     @pytest.mark.parametrize("window", [0, -1, 2.0, True])
     def test_window_must_be_positive(self, window):
         with pytest.raises(ValueError, match="positive integer"):
