@@ -88,14 +88,18 @@ def softmax(scores: Tensor, dim: int = -1) -> Tensor:
 
 def causal_mask(
     L: int, S: Optional[int] = None, *, window: Optional[int] = None,
-    device=None,
+    sinks: int = 0, device=None,
 ) -> Tensor:
     """Boolean ``(L, S)`` mask, True on and below the diagonal.
 
     Query i may attend to keys 0..i. With ``S != L`` the diagonal starts at
     the top-left corner, as PyTorch's ``is_causal=True`` does. With
     ``window=W`` query i sees only the last W of them, keys i-W+1..i (a
-    sliding window): True where ``0 <= i - j < W``.
+    sliding window): True where ``0 <= i - j < W``. ``sinks=s`` keeps the
+    first s keys visible besides the window (the "attention sinks" of
+    StreamingLLM): True where ``j <= i`` and (``i - j < W`` or ``j < s``),
+    at most W + s keys per query. Without a window every earlier key is
+    visible already, and ``sinks`` changes nothing.
     """
     S = L if S is None else S
     sizes = {"L": L, "S": S, **({} if window is None else {"window": window})}
@@ -104,9 +108,15 @@ def causal_mask(
             raise ValueError(
                 f"causal_mask needs positive integer sizes, got {name}={n!r}"
             )
-    mask = torch.ones(L, S, dtype=torch.bool, device=device).tril()  # (L, S)
-    if window is not None:
-        mask = mask.triu(-(window - 1))  # drop keys W or more steps back
+    if isinstance(sinks, bool) or not isinstance(sinks, int) or sinks < 0:
+        raise ValueError(
+            f"causal_mask needs a non-negative integer sinks, got {sinks!r}"
+        )
+    causal = torch.ones(L, S, dtype=torch.bool, device=device).tril()  # (L, S)
+    if window is None:
+        return causal
+    mask = causal.triu(-(window - 1))  # drop keys W or more steps back
+    mask[:, :sinks] |= causal[:, :sinks]  # the first keys, where causal
     return mask
 
 
@@ -534,11 +544,19 @@ class KVCache:
         a view; a longer chunk attends to the slots followed by its own
         keys (a new tensor of at most W + n positions), and then its last
         min(n, W) positions are written into their slots.
+    ``KVCache(window=W, sinks=s)``
+        a rolling buffer that also keeps the first s positions, the
+        "attention sinks" of StreamingLLM (Xiao et al. 2024): s + W slots,
+        position p < s in slot p for good, and every later position in the
+        ring of the other W, position p in slot s + (p - s) % W. A query at
+        position p sees keys p-W+1..p and keys 0..s-1, the mask
+        ``causal_mask(T, window=W, sinks=s)``. Chunks are handled as above,
+        with s + W slots in place of W.
 
     ``window`` and ``capacity`` together are refused: a rolling cache
-    holds its W slots. ``keys``, ``values`` (``(B, G, len(cache),
-    head_dim)``, None while empty) and ``len(cache)`` are the stored keys
-    and values in position order for every kind (a rolling cache that has
+    holds its W slots (s + W with sinks); ``sinks`` needs a ``window``.
+    ``keys``, ``values`` (``(B, G, len(cache), head_dim)``, None while
+    empty) and ``len(cache)`` are the stored keys and values in position order for every kind (a rolling cache that has
     wrapped around returns a reordered copy); ``seen`` counts the positions
     processed so far (the position of the next token), and
     ``key_positions`` the positions of the keys the last ``update``
@@ -554,19 +572,28 @@ class KVCache:
     """
 
     def __init__(self, window: Optional[int] = None,
-                 capacity: Optional[int] = None):
+                 capacity: Optional[int] = None, sinks: int = 0):
         for name, size in (("window", window), ("capacity", capacity)):
             if size is not None and (isinstance(size, bool)
                                      or not isinstance(size, int) or size < 1):
                 raise ValueError(f"{name} must be a positive integer, got {size!r}")
+        if isinstance(sinks, bool) or not isinstance(sinks, int) or sinks < 0:
+            raise ValueError(f"sinks must be a non-negative integer, got {sinks!r}")
         if window is not None and capacity is not None:
             raise ValueError(
                 f"give window or capacity, not both (window={window}, "
                 f"capacity={capacity}): a rolling cache holds its {window} "
                 "slots and never needs more"
             )
+        if sinks and window is None:
+            raise ValueError(
+                f"sinks={sinks} keeps the first positions of a rolling cache, "
+                "besides its window: give window too (without one, every "
+                "position is kept anyway)"
+            )
         self.window = window
         self.capacity = capacity
+        self.sinks = sinks
         self._keys: Optional[Tensor] = None  # concatenating: the stored keys;
         self._values: Optional[Tensor] = None  # otherwise the storage
         self._slots: Optional[Tensor] = None  # rolling: position per slot
@@ -583,11 +610,17 @@ class KVCache:
     def __len__(self) -> int:
         if self.kind == "concatenating":
             return 0 if self._keys is None else self._keys.shape[-2]
-        return self.seen if self.kind == "preallocated" else min(self.seen, self.window)
+        return self.seen if self.kind == "preallocated" else min(self.seen, self._rows)
+
+    @property
+    def _rows(self) -> int:
+        """The rolling cache's slots: the window's and the sinks'."""
+        return self.window + self.sinks
 
     def __repr__(self) -> str:
+        sinks = f"sinks={self.sinks}, " if self.sinks else ""
         size = {"concatenating": "", "preallocated": f"capacity={self.capacity}, ",
-                "rolling": f"window={self.window}, "}[self.kind]
+                "rolling": f"window={self.window}, {sinks}"}[self.kind]
         return f"KVCache({size}holds {len(self)} positions, seen={self.seen})"
 
     @property
@@ -604,7 +637,7 @@ class KVCache:
     def storage(self) -> tuple[Optional[Tensor], Optional[Tensor]]:
         """The tensors the cache holds its keys and values in: for a
         preallocated cache ``(B, G, capacity, head_dim)``, for a rolling one
-        ``(B, G, window, head_dim)`` in slot order, for a concatenating one
+        ``(B, G, sinks + window, head_dim)`` in slot order, for a concatenating one
         the stored keys and values themselves (None before the first call)."""
         return self._keys, self._values
 
@@ -612,7 +645,9 @@ class KVCache:
     def slot_positions(self) -> Optional[Tensor]:
         """The position each row of ``storage`` holds, -1 for a row not
         written yet (a copy; None before the first call). For a rolling
-        cache, slot s holds the latest position p with p % window == s."""
+        cache, slot s holds the latest position p with p % window == s
+        (with sinks, slot p < sinks holds position p, and slot sinks + r the
+        latest position p >= sinks with (p - sinks) % window == r)."""
         if self._keys is None:
             return None
         if self.kind == "rolling":
@@ -625,10 +660,12 @@ class KVCache:
             return None
         if self.kind == "concatenating":
             return stored
-        if self.kind == "preallocated" or self.seen <= self.window:
+        if self.kind == "preallocated" or self.seen <= self._rows:
             return stored[..., :len(self), :]  # a view: slot p holds position p
-        oldest = self.seen % self.window  # the slot of position seen - window
-        return torch.cat([stored[..., oldest:, :], stored[..., :oldest, :]], dim=-2)
+        s = self.sinks  # the sinks' slots, then the ring from its oldest slot,
+        oldest = self._slot(self.seen - self.window)  # that of position seen - W
+        return torch.cat([stored[..., :s, :], stored[..., oldest:, :],
+                          stored[..., s:oldest, :]], dim=-2)
 
     def reset(self, release: bool = False) -> None:
         """Forget the positions: the next call starts a new sequence. A
@@ -688,19 +725,20 @@ class KVCache:
             return key, value, visible.tril(S - n) if is_causal else visible
         query_pos = torch.arange(start, start + n, device=key.device)
         back = query_pos[:, None] - positions[None, :]  # (n, S): steps back
-        visible = back < self.window
+        visible = (back < self.window) | (positions < self.sinks)[None, :]
         return key, value, visible & (back >= 0) if is_causal else visible
 
     def _roll(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """The rolling cache's update: (keys, values, their positions)."""
         W, start, n = self.window, self.seen, key.shape[-2]
-        self._allocate(key, value, W)
-        held = min(start, W)  # slots in use before this call
-        if n == 1 or start + n <= W:
+        rows = self._rows  # W, or W + sinks
+        self._allocate(key, value, rows)
+        held = min(start, rows)  # slots in use before this call
+        if n == 1 or start + n <= rows:
             # Writing first overwrites only positions no new query may see
             # (with n = 1, position start - W), so attend to the slots.
             self._write(key, value, start)
-            filled = min(start + n, W)
+            filled = min(start + n, rows)
             return (self._keys[..., :filled, :], self._values[..., :filled, :],
                     self._slots[:filled].clone())
         # A chunk that wraps around: its first queries still need keys that
@@ -710,23 +748,39 @@ class KVCache:
         values = torch.cat([self._values[..., :held, :], value], dim=-2)
         positions = torch.cat([self._slots[:held],
                                torch.arange(start, start + n, device=key.device)])
-        keep = min(n, W)  # the chunk's last positions, which the slots keep
+        sinks = max(0, min(n, self.sinks - start))  # the chunk's sink positions
+        if sinks:  # (a chunk that wraps and starts among the sinks)
+            self._write(key[..., :sinks, :], value[..., :sinks, :], start)
+        keep = min(n - sinks, W)  # the chunk's last positions, which the ring keeps
         self._write(key[..., n - keep:, :], value[..., n - keep:, :], start + n - keep)
         return keys, values, positions
 
+    def _slot(self, p: int) -> int:
+        """The slot of position p: p itself for a sink, else its place in the ring."""
+        s = self.sinks
+        return p if p < s else s + (p - s) % self.window
+
     def _write(self, key: Tensor, value: Tensor, first: int) -> None:
-        """Write m <= window positions first, first + 1, ... into their
-        slots, in place: at most two slices, where the ring wraps."""
-        W, m = self.window, key.shape[-2]
-        slot = first % W
-        a = min(m, W - slot)  # positions up to the end of the slots
-        self._keys[..., slot:slot + a, :] = key[..., :a, :]
-        self._values[..., slot:slot + a, :] = value[..., :a, :]
-        self._keys[..., :m - a, :] = key[..., a:, :]
-        self._values[..., :m - a, :] = value[..., a:, :]
+        """Write m positions first, first + 1, ... into their slots, in
+        place: positions among the sinks go to slots first, first + 1, ...;
+        later ones, at most W, to the ring (two slices where it wraps)."""
+        m, s = key.shape[-2], self.sinks
         positions = torch.arange(first, first + m, device=self._slots.device)
-        self._slots[slot:slot + a] = positions[:a]
-        self._slots[:m - a] = positions[a:]
+        c = max(0, min(m, s - first))  # the positions among the sinks
+        self._keys[..., first:first + c, :] = key[..., :c, :]
+        self._values[..., first:first + c, :] = value[..., :c, :]
+        self._slots[first:first + c] = positions[:c]
+        if c == m:
+            return
+        slot = self._slot(first + c)
+        a = min(m - c, self._rows - slot)  # positions up to the end of the slots
+        b = m - c - a  # the rest, from the ring's first slot, s
+        self._keys[..., slot:slot + a, :] = key[..., c:c + a, :]
+        self._values[..., slot:slot + a, :] = value[..., c:c + a, :]
+        self._keys[..., s:s + b, :] = key[..., c + a:, :]
+        self._values[..., s:s + b, :] = value[..., c + a:, :]
+        self._slots[slot:slot + a] = positions[c:c + a]
+        self._slots[s:s + b] = positions[c + a:]
 
     def _allocate(self, key: Tensor, value: Tensor, rows: int) -> None:
         """The storage, on the first call (or after ``reset(release=True)``)."""

@@ -169,6 +169,8 @@ class DecoderLM(nn.Module):
     ``new_caches()``) it decodes: ``tokens`` are the new positions only, placed after the
     ``caches[0].seen`` already processed. With ``need_weights`` it returns ``(logits,
     weights)``, ``weights`` a list of each block's attention weights ``(B, H, T, S)``.
+    With ``attn_mask`` every block uses that mask in place of the causal one (see
+    ``forward``), for instance a sliding window, ``causal_mask(T, window=w)``.
     """
 
     def __init__(
@@ -200,7 +202,18 @@ class DecoderLM(nn.Module):
         return [KVCache() for _ in self.blocks]
 
     def forward(self, tokens: Tensor, *, caches: Optional[list[KVCache]] = None,
-                need_weights: bool = False):
+                need_weights: bool = False, attn_mask: Optional[Tensor] = None):
+        """Logits ``(B, T, vocab_size)`` for integer ``tokens`` ``(B, T)``.
+
+        ``caches``: None, or one ``KVCache`` per block to decode with (see the class).
+        ``need_weights``: also return each block's weights ``(B, H, T, S)``, as
+        ``(logits, weights)``. ``attn_mask``: None (causal attention), or a mask that every
+        block uses *instead of* the causal mask: boolean, True where a query may attend, or
+        floating, added to the scores; ``(T, T)``, or 4-D and broadcasting to
+        ``(B, H, T, T)``. ``causal_mask(T)`` gives the default's logits; a mask that lets a
+        query see a later position lets it read the token it predicts. Not with ``caches``
+        (a cache makes its own mask).
+        """
         if (not isinstance(tokens, Tensor) or tokens.dim() != 2
                 or tokens.dtype not in (torch.int64, torch.int32)):
             shape = (tuple(tokens.shape), tokens.dtype) if isinstance(tokens, Tensor) else (
@@ -211,6 +224,8 @@ class DecoderLM(nn.Module):
                              f"got {len(caches)}")
         start = 0 if caches is None else caches[0].seen
         T = tokens.shape[1]
+        if attn_mask is not None:
+            self._check_mask(attn_mask, tokens, caches)
         if start + T > self.max_len:
             raise ValueError(f"positions {start}..{start + T - 1} of tokens {tuple(tokens.shape)}"
                              f" go past max_len={self.max_len}")
@@ -220,9 +235,31 @@ class DecoderLM(nn.Module):
         where = torch.arange(start, start + T, device=tokens.device)
         x = self.drop(self.embed(tokens) + self.position(where))  # (B, T, d_model)
         weights = []
+        mask = {"is_causal": True} if attn_mask is None else {"attn_mask": attn_mask}
         for i, block in enumerate(self.blocks):
-            x, w = block(x, is_causal=True, need_weights=True,
-                         cache=None if caches is None else caches[i])
+            x, w = block(x, need_weights=True, cache=None if caches is None else caches[i],
+                         **mask)
             weights.append(w)  # (B, H, T, S)
         logits = self.unembed(self.final_norm(x))  # (B, T, vocab_size)
         return (logits, weights) if need_weights else logits
+
+    def _check_mask(self, attn_mask, tokens: Tensor, caches) -> None:
+        """Raise, naming the shapes, unless ``attn_mask`` can replace the causal mask."""
+        if caches is not None:
+            raise ValueError("give attn_mask or caches, not both: a KVCache makes the mask of "
+                             "the positions it holds")
+        if not isinstance(attn_mask, Tensor):
+            raise ValueError(f"attn_mask must be a tensor, got {type(attn_mask).__name__}")
+        if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
+            raise ValueError(f"attn_mask must be boolean (True = may attend) or floating "
+                             f"(added to the scores), got dtype {attn_mask.dtype}")
+        B, T = tokens.shape
+        target = (B, self.blocks[0].num_heads, T, T)
+        try:
+            fits = torch.broadcast_shapes(attn_mask.shape, target) == target
+        except RuntimeError:
+            fits = False
+        if not fits or attn_mask.dim() not in (2, 4):  # a 3-D mask would read as (B * H, ...)
+            raise ValueError(f"attn_mask must be (T, T) or 4-D, broadcasting to (B, H, T, T) = "
+                             f"{target} for tokens {tuple(tokens.shape)}; got "
+                             f"{tuple(attn_mask.shape)}")

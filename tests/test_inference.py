@@ -21,9 +21,23 @@ CHUNKINGS = {  # how a sequence of 10 tokens is fed to the cache
     "one, then chunks longer than a window": [1, 5, 4],
     "two, then eight": [2, 8],
 }
-# The three kinds of cache (a rolling one for each window the tests try), as KVCache's arguments.
+# The three kinds of cache (a rolling one for each window the tests try, some with sinks), as
+# KVCache's arguments.
 KINDS = {"concatenating": {}, "preallocated": {"capacity": 10},
-         **{f"rolling, window {w}": {"window": w} for w in (1, 3, 4, 12)}}
+         **{f"rolling, window {w}": {"window": w} for w in (1, 3, 4, 12)},
+         **{f"rolling, window {w}, sinks {s}": {"window": w, "sinks": s}
+            for w, s in ((1, 1), (3, 2), (2, 5), (4, 8))}}
+
+
+def full_mask(kind, T=10):
+    """The mask of the whole sequence that a cache of this kind must reproduce."""
+    return causal_mask(T, window=KINDS[kind].get("window"), sinks=KINDS[kind].get("sinks", 0))
+
+
+def kept(kind, T=10):
+    """The positions a cache of this kind holds after T positions, in order."""
+    window, sinks = KINDS[kind].get("window"), KINDS[kind].get("sinks", 0)
+    return [p for p in range(T) if window is None or p < sinks or p >= T - window]
 
 
 def mha(num_heads=4, num_kv_heads=None, d_model=16, dtype=torch.float64, seed=0):
@@ -111,8 +125,7 @@ class TestKVCache:
         sequence at once, under the causal mask or the sliding window's."""
         m = mha(num_kv_heads=num_kv_heads, dtype=dtype)
         x = tokens(dtype=dtype)
-        window = KINDS[kind].get("window")
-        full, full_w = m(x, x, x, attn_mask=causal_mask(10, window=window))
+        full, full_w = m(x, x, x, attn_mask=full_mask(kind))
         cache = KVCache(**KINDS[kind])
         outs, start = [], 0
         for n in CHUNKINGS[chunking]:
@@ -128,14 +141,13 @@ class TestKVCache:
             outs.append(out)
             start += n
         torch.testing.assert_close(torch.cat(outs, 1), full, **EQUAL[dtype])
-        held = 10 if window is None else min(window, 10)
-        assert len(cache) == held and cache.seen == 10
-        assert cache.keys.shape == cache.values.shape == (2, num_kv_heads, held, 4)
+        held = kept(kind)
+        assert len(cache) == len(held) and cache.seen == 10
+        assert cache.keys.shape == cache.values.shape == (2, num_kv_heads, len(held), 4)
         with torch.no_grad():  # in position order, whatever the storage's order
-            torch.testing.assert_close(cache.keys, m.split_heads(m.k_proj(x))[:, :, 10 - held:],
+            torch.testing.assert_close(cache.keys, m.split_heads(m.k_proj(x))[:, :, held],
                                        **EQUAL[dtype])
-            torch.testing.assert_close(cache.values,
-                                       m.split_heads(m.v_proj(x))[:, :, 10 - held:],
+            torch.testing.assert_close(cache.values, m.split_heads(m.v_proj(x))[:, :, held],
                                        **EQUAL[dtype])
 
     def test_cache_holds_the_projected_keys_and_values(self):
@@ -185,8 +197,7 @@ class TestKVCache:
         # A preallocated or rolling cache keeps its storage for the next sequence.
         assert (cache.storage[0] is storage) == (kind != "concatenating")
         out, _ = decode(m, x, [2, 8], cache, is_causal=True)
-        window = KINDS[kind].get("window")
-        torch.testing.assert_close(out, m(x, x, x, attn_mask=causal_mask(10, window=window))[0],
+        torch.testing.assert_close(out, m(x, x, x, attn_mask=full_mask(kind))[0],
                                    **EQUAL[torch.float64])
         if kind != "concatenating":
             assert cache.storage[0].data_ptr() == storage.data_ptr()
@@ -230,6 +241,25 @@ class TestSlidingWindow:
             for j in range(6):
                 assert bool(m[i, j]) == (0 <= i - j < 3)
         assert torch.equal(causal_mask(4, window=10), causal_mask(4))
+
+    @pytest.mark.parametrize("L, S", [(7, 7), (3, 7), (7, 4)])
+    def test_sink_mask_entries(self, L, S):
+        """The first s keys stay visible (where causal) besides the window of W."""
+        for window in (1, 2, 3):
+            for sinks in (0, 1, 2, 9):
+                m = causal_mask(L, S, window=window, sinks=sinks)
+                for i in range(L):
+                    for j in range(S):
+                        assert bool(m[i, j]) == (j <= i and (i - j < window or j < sinks))
+        assert torch.equal(causal_mask(L, S, window=2, sinks=0), causal_mask(L, S, window=2))
+        assert torch.equal(causal_mask(L, S, sinks=3), causal_mask(L, S))  # no window
+        assert torch.equal(causal_mask(L, S, window=1, sinks=S), causal_mask(L, S))
+        assert int(causal_mask(20, window=5, sinks=3).sum(-1).max()) == 5 + 3
+
+    @pytest.mark.parametrize("sinks", [-1, 1.0, True, None])
+    def test_sinks_must_be_a_non_negative_integer(self, sinks):
+        with pytest.raises(ValueError, match="non-negative integer sinks, got"):
+            causal_mask(4, window=2, sinks=sinks)
 
     @pytest.mark.parametrize("window", [0, -1, 2.0, True])
     def test_window_must_be_positive(self, window):
@@ -376,6 +406,59 @@ class TestRollingCache:
             with torch.no_grad():
                 m(x[:, t:t + 1], x[:, t:t + 1], x[:, t:t + 1], is_causal=True, cache=cache)
             assert len(cache) == min(t + 1, 3) and cache.storage[0].shape[-2] == 3
+
+    @pytest.mark.parametrize("window, sinks", [(1, 1), (3, 2), (2, 5)])
+    @pytest.mark.parametrize("chunking", CHUNKINGS, ids=list(CHUNKINGS))
+    def test_sinks_keep_their_slots_and_the_ring_turns_after_them(self, window, sinks, chunking):
+        """After every call, slot p < s holds position p for good, and slot s + r the latest
+        position p >= s with (p - s) % W == r; each row of the storage is that position's key
+        and value; the keys in position order are the sinks and the last W."""
+        m, x = mha(num_kv_heads=2), tokens()
+        with torch.no_grad():
+            k_all, v_all = m.split_heads(m.k_proj(x)), m.split_heads(m.v_proj(x))  # (B, G, T, 4)
+        cache, start = KVCache(window=window, sinks=sinks), 0
+        for n in CHUNKINGS[chunking]:
+            chunk = x[:, start:start + n]
+            with torch.no_grad():
+                m(chunk, chunk, chunk, is_causal=True, cache=cache)
+            start += n
+            expected = [p if p < start else -1 for p in range(sinks)] + [
+                max((p for p in range(sinks, start) if (p - sinks) % window == r), default=-1)
+                for r in range(window)]
+            assert cache.slot_positions.tolist() == expected
+            storage_k, storage_v = cache.storage
+            assert storage_k.shape == (2, 2, sinks + window, 4)
+            for slot, p in enumerate(expected):
+                if p >= 0:
+                    assert torch.equal(storage_k[:, :, slot], k_all[:, :, p])
+                    assert torch.equal(storage_v[:, :, slot], v_all[:, :, p])
+            held = [p for p in range(start) if p < sinks or p >= start - window]
+            assert len(cache) == len(held)
+            assert torch.equal(cache.keys, k_all[:, :, held])
+            assert torch.equal(cache.values, v_all[:, :, held])
+
+    def test_sinks_one_token_at_a_time_attends_to_the_slots_themselves(self):
+        cache = KVCache(window=3, sinks=2)
+        for t in range(9):
+            k = torch.full((1, 1, 1, 2), float(t))
+            keys, _, visible = cache.update(k, k)
+            assert keys._base is cache.storage[0] and bool(visible.all())
+            assert sorted(keys[0, 0, :, 0].tolist()) == [  # the sinks and the last 3
+                p for p in range(t + 1) if p < 2 or p >= t - 2]
+        assert cache.slot_positions.tolist() == [0, 1, 8, 6, 7]
+        assert repr(cache) == "KVCache(window=3, sinks=2, holds 5 positions, seen=9)"
+
+    @pytest.mark.parametrize("sinks", [-1, 1.5, True])
+    def test_sinks_must_be_a_non_negative_integer(self, sinks):
+        with pytest.raises(ValueError, match="sinks must be a non-negative integer"):
+            KVCache(window=3, sinks=sinks)
+
+    def test_sinks_need_a_window(self):
+        for kwargs in ({"sinks": 2}, {"sinks": 2, "capacity": 10}):
+            with pytest.raises(ValueError, match="sinks=2 keeps the first positions of a "
+                                                 "rolling cache.*give window too"):
+                KVCache(**kwargs)
+        assert KVCache(sinks=0).kind == "concatenating"
 
     def test_window_and_capacity_together_are_refused(self):
         with pytest.raises(ValueError, match=r"window or capacity, not both \(window=4, "

@@ -259,3 +259,65 @@ def test_lm_rejects_decoding_past_max_len_and_wrong_caches():
         lm(torch.zeros(1, 3, dtype=torch.long), caches=caches)
     with pytest.raises(ValueError, match="one KVCache per block \\(3\\), got 2"):
         lm(torch.zeros(1, 1, dtype=torch.long), caches=caches[:2])
+
+
+@ORDERS
+def test_lm_with_the_causal_mask_as_attn_mask_is_the_default(norm_first):
+    lm = small_lm(norm_first)
+    tokens = torch.randint(11, (2, 9), generator=torch.Generator().manual_seed(3))
+    logits, weights = lm(tokens, need_weights=True)
+    for mask in (causal_mask(9), causal_mask(9)[None, None],  # (T, T) and (1, 1, T, T)
+                 torch.zeros(9, 9, dtype=torch.float64).masked_fill(~causal_mask(9),
+                                                                    float("-inf"))):
+        masked, masked_weights = lm(tokens, attn_mask=mask, need_weights=True)
+        torch.testing.assert_close(masked, logits)
+        for w, want in zip(masked_weights, weights):
+            torch.testing.assert_close(w, want)
+
+
+def test_lm_attn_mask_replaces_the_causal_mask_in_every_block():
+    """A sliding window: the blocks by hand with the same mask, and the weights it leaves."""
+    lm = small_lm()
+    tokens = torch.randint(11, (2, 9), generator=torch.Generator().manual_seed(4))
+    window = causal_mask(9, window=3)
+    logits, weights = lm(tokens, attn_mask=window, need_weights=True)
+    x = lm.embed.weight[tokens] + lm.position.weight[:9]
+    for block in lm.blocks:
+        x = block(x, attn_mask=window)
+    want = F.layer_norm(x, (D,), lm.final_norm.weight, lm.final_norm.bias) @ lm.unembed.weight.T
+    torch.testing.assert_close(logits, want)
+    for w in weights:
+        assert torch.equal(w > 0, window.expand_as(w))  # exactly the window's keys
+    assert not torch.allclose(logits[:, 3:], lm(tokens)[:, 3:])  # a query lost keys
+    torch.testing.assert_close(logits[:, :3], lm(tokens)[:, :3])  # the first three did not
+    # A per-sequence mask (B, 1, T, T): each sequence gets its own.
+    both = torch.stack([causal_mask(9), window])[:, None]  # (2, 1, 9, 9)
+    mixed = lm(tokens, attn_mask=both)
+    torch.testing.assert_close(mixed[0], lm(tokens)[0])
+    torch.testing.assert_close(mixed[1], logits[1])
+    # Not causal: an earlier position now reads a later token.
+    changed = tokens.clone()
+    changed[:, 8] = (changed[:, 8] + 1) % 11
+    everything = torch.ones(9, 9, dtype=torch.bool)
+    assert not torch.allclose(lm(changed, attn_mask=everything)[:, 0],
+                              lm(tokens, attn_mask=everything)[:, 0])
+
+
+@pytest.mark.parametrize("mask, message", [
+    (causal_mask(8), r"must be \(T, T\) or 4-D, broadcasting to \(B, H, T, T\) = \(2, 4, 9, 9\)"
+                     r" for tokens \(2, 9\); got \(8, 8\)"),
+    (causal_mask(9)[None].expand(4, 9, 9), r"got \(4, 9, 9\)"),  # 3-D: refused
+    (causal_mask(9)[None, None].expand(3, 1, 9, 9), r"got \(3, 1, 9, 9\)"),
+    (causal_mask(9).long(), r"boolean \(True = may attend\) or floating .* got dtype torch.int64"),
+    ([[True] * 9] * 9, r"must be a tensor, got list"),
+])
+def test_lm_rejects_a_bad_attn_mask_naming_the_shapes(mask, message):
+    tokens = torch.zeros(2, 9, dtype=torch.long)
+    with pytest.raises(ValueError, match=message):
+        small_lm()(tokens, attn_mask=mask)
+
+
+def test_lm_refuses_attn_mask_with_caches():
+    lm = small_lm()
+    with pytest.raises(ValueError, match="attn_mask or caches, not both"):
+        lm(torch.zeros(1, 4, dtype=torch.long), caches=lm.new_caches(), attn_mask=causal_mask(4))
