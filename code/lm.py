@@ -49,6 +49,7 @@ __all__ = [
     "bigram_loss",
     "Config",
     "build",
+    "windows",
     "evaluate",
     "train",
     "generate",

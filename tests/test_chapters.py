@@ -243,3 +243,17 @@ def prose_sentences(path: pathlib.Path) -> list[str]:
         text = re.sub(r"```.*?```|\$\$.*?\$\$", " ", cell.source, flags=re.S)
         sentences += [" ".join(s.split()) for s in re.split(r"(?<=[.!?])\s+(?=[A-Z{(])", text)]
     return sentences
+
+
+@pytest.mark.parametrize("name", chapter_structure.TEACHING_FILES)
+def test_every_public_function_of_a_teaching_module_is_in_its_all(name):
+    """`from module import *` gives what the module defines: each public function and class
+    that a teaching module defines is listed in its __all__."""
+    import importlib
+    import inspect
+
+    module = importlib.import_module(name.removesuffix(".py"))
+    public = [n for n, obj in vars(module).items()
+              if not n.startswith("_") and (inspect.isfunction(obj) or inspect.isclass(obj))
+              and obj.__module__ == module.__name__]
+    assert public and sorted(set(public) - set(module.__all__)) == []

@@ -785,8 +785,10 @@ def test_course_plan_says_what_is_wrong(tmp_path, plan, message):
 
 
 def test_student_folder_runs_offline(student, tmp_path):
-    """`make student`'s folder holds the book's code beside the notebooks: a notebook's setup
-    cell and its check import run there with every fetch bound to fail."""
+    """`make student`'s folder holds the book's code beside the notebooks, and the models and
+    text it reads: a notebook's setup cell, its check import and the loading of every kind of
+    shipped file run there with every fetch bound to fail."""
+    import nbformat
     from nbclient import NotebookClient
 
     folder = tmp_path / "student"
@@ -797,7 +799,11 @@ def test_student_folder_runs_offline(student, tmp_path):
     notebook = read(path)
     check_import = next(c for c in notebook.cells if structure.CHECK in structure.tags(c))
     setup = next(c for c in notebook.cells if structure.is_setup(c))
-    notebook.cells = [notebook.cells[0], setup, check_import]  # title, setup, import
+    shipped = nbformat.v4.new_code_cell(  # what chapters 9, 12 and 13 read from models/, data/
+        "import induction, lm\n"
+        "assert lm.load_run('shakespeare').config.context == 64 and len(lm.load_text()) > 10**5\n"
+        "induction.load_run('two-layer-seed0')")
+    notebook.cells = [notebook.cells[0], setup, check_import, shipped]
     nowhere = (tmp_path / "nowhere" / "attention.py").as_uri()
     NotebookClient(notebook, timeout=60, kernel_name="python3",
                    resources={"metadata": {"path": str(folder)}}).execute(
@@ -824,3 +830,20 @@ def test_the_one_week_plan_leaves_out_the_deeper_exercises_and_nothing_else(tmp_
     (tmp_path / classroom.COURSE_PLAN).write_text(block)
     accepted = classroom.course_plan(tmp_path, [p.stem for p in classroom.numbered_chapters()])
     assert list(accepted) == list(plan["assignments"])
+
+
+def test_the_term_plan_names_every_deeper_exercise_graded_by_hand():
+    """The one-term plan of chapters/instructors.md lists the deeper exercises graded by hand,
+    kind by kind; the list is the table's, neither shorter nor longer."""
+    text = (ROOT / "chapters" / "instructors.md").read_text()
+    rows = re.findall(r"^\| (\d+\.\d+) \| .+? \| (\w+), by hand \| \d+ \| \d+ \| deeper \|",
+                      text, re.M)
+    plan = re.search(r"\*\*One term.*?\n\n", text, re.S).group(0)
+    named = {}
+    for match in re.finditer(r"the\s+(proof|derivation|computation|experiment)s?\s+"
+                             r"\(?((?:\d+\.\d+(?:, )?)+)\)?", plan):
+        named[match.group(1)] = match.group(2).split(", ")
+    expected = {}
+    for number, kind in rows:
+        expected.setdefault(kind, []).append(number)
+    assert named == expected

@@ -90,8 +90,9 @@ def torch_pin() -> str:
 
 # The code of every chapter's first code cell; @RAW@ is the raw-file address of the repository
 # at the book's ref. In the book the module is importable and the fetch never runs. The address
-# of the code/ folder goes to the environment as ATTENTION_CODE_URL, where code/induction.py
-# finds the trained models (models/ beside code/) when the notebook is not in the repository.
+# of the code/ folder goes to the environment as ATTENTION_CODE_URL, where code/stored.py finds
+# the trained models and the text (models/ and data/ beside code/) when the notebook is not in
+# the repository.
 SETUP_TEMPLATE = '''\
 # Setup, hidden in the book. Makes the book's code importable (the module code/attention.py,
 # its siblings and this chapter's checks, code/checks_*.py): from the repository when the notebook
@@ -101,7 +102,7 @@ SETUP_TEMPLATE = '''\
 import importlib, os, pathlib, sys, urllib.request
 sys.path.insert(0, str(pathlib.Path.cwd().parent / "code"))
 # The book's code/ folder: the published one at the book's ref, or where ATTENTION_PY_URL says
-# attention.py is. code/induction.py fetches trained models from beside it.
+# attention.py is. code/stored.py fetches trained models and the text from beside it.
 os.environ["ATTENTION_CODE_URL"] = (os.environ.get("ATTENTION_PY_URL") or (
     "@RAW@"
     "code/attention.py")).rsplit("/", 1)[0]

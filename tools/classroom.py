@@ -20,6 +20,7 @@ from chapter_structure import CODE_FILES, STUB_BODY, repository  # noqa: F401  (
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CHAPTERS = ROOT / "chapters"
+SHIPPED_FOLDERS = ("models", "data")  # beside code/: what code/stored.py reads
 
 
 def numbered_chapters() -> list[pathlib.Path]:
@@ -102,7 +103,8 @@ def _renumbered(notebook):
 
 
 def write_student(out: pathlib.Path) -> list[pathlib.Path]:
-    """Student notebooks in out/, with attention.py beside them so that they run offline."""
+    """Student notebooks in out/, with the book's code beside them and the files it reads
+    (models/ and data/, as beside code/ in the repository), so that they run offline."""
     import shutil
 
     import nbformat
@@ -114,6 +116,9 @@ def write_student(out: pathlib.Path) -> list[pathlib.Path]:
         written.append(out / path.name)
     for name in CODE_FILES:
         shutil.copy(ROOT / "code" / name, out / name)
+    for folder in SHIPPED_FOLDERS:
+        shutil.rmtree(out / folder, ignore_errors=True)
+        shutil.copytree(ROOT / folder, out / folder)
     return written
 
 
