@@ -556,8 +556,9 @@ class KVCache:
     ``window`` and ``capacity`` together are refused: a rolling cache
     holds its W slots (s + W with sinks); ``sinks`` needs a ``window``.
     ``keys``, ``values`` (``(B, G, len(cache), head_dim)``, None while
-    empty) and ``len(cache)`` are the stored keys and values in position order for every kind (a rolling cache that has
-    wrapped around returns a reordered copy); ``seen`` counts the positions
+    empty) and ``len(cache)`` are the stored keys and values in position
+    order for every kind (a rolling cache that has wrapped around returns a
+    reordered copy, its sinks first); ``seen`` counts the positions
     processed so far (the position of the next token), and
     ``key_positions`` the positions of the keys the last ``update``
     returned, in their order (a user's mask over those keys follows it).
