@@ -93,27 +93,26 @@ def print_book(html_dir: pathlib.Path, out: pathlib.Path, core: bool = False) ->
     missing = [p for p in pages if not (html_dir / p).is_file()]
     if missing:
         raise SystemExit(f"{html_dir} lacks {', '.join(missing)}: run `make book` first")
-    printed = {}
-    with sb.serve(html_dir) as base, sync_playwright() as playwright:
+    book_title = "Attention, Computed" + (": the core path" if core else "")
+
+    def print_page(page, url: str, path: str, external: list) -> tuple[str, bytes]:
+        if not sb.open_page(page, url) and sb.page_has_math(html_dir / path):
+            raise SystemExit(f"{path}: MathJax did not run")
+        page.add_style_tag(content=PRINT_CSS)
+        page.emulate_media(media="print")
+        title = page.locator("main h1").first.inner_text().strip().rstrip("#").strip()
+        number = pathlib.PurePath(path).name.split("-", 1)[0]
+        if number.isdigit():  # a numbered chapter, as the site's navigation numbers it
+            title = f"{int(number)}. {title}"
+        return title, page.pdf(print_background=True, outline=True, tagged=True, **PAGE)
+
+    # Two browsers print the pages side by side (site_browser.visit_pages), with the switch as a
+    # reader left it set before any page script runs; the results come back in reading order.
+    printed = sb.visit_pages(html_dir, pages, print_page, init_script=(
+        f"localStorage.setItem({CORE_PATH_KEY!r}, {'on' if core else 'off'!r})"))
+    with sync_playwright() as playwright:
         browser = sb.launch(playwright)
-        context = browser.new_context(viewport=sb.DESKTOP)
-        context.add_init_script(  # the switch as a reader left it, before any page script runs
-            f"localStorage.setItem({CORE_PATH_KEY!r}, {'on' if core else 'off'!r})")
-        book_title = "Attention, Computed" + (": the core path" if core else "")
-        for path in pages:
-            page, external = sb.offline_page(context)
-            if not sb.open_page(page, base + path) and sb.page_has_math(html_dir / path):
-                raise SystemExit(f"{path}: MathJax did not run")
-            page.add_style_tag(content=PRINT_CSS)
-            page.emulate_media(media="print")
-            title = page.locator("main h1").first.inner_text().strip().rstrip("#").strip()
-            number = pathlib.PurePath(path).name.split("-", 1)[0]
-            if number.isdigit():  # a numbered chapter, as the site's navigation numbers it
-                title = f"{int(number)}. {title}"
-            printed[path] = (title, page.pdf(print_background=True, outline=True, tagged=True,
-                                             **PAGE))
-            page.close()
-        blank, _ = sb.offline_page(context)
+        blank, _ = sb.offline_page(browser.new_context())
         # The front matter's length does not depend on the numbers in it: print it once to
         # count its pages, then again with the numbers.
         titles = [title for title, _ in printed.values()]

@@ -112,10 +112,11 @@ def offline_page(context) -> tuple:
 
 
 def visit_pages(html_dir: pathlib.Path, pages: list[str], visit, viewport: dict = DESKTOP,
-                workers: int = 2, **context_options) -> dict:
+                workers: int = 2, init_script: str | None = None, **context_options) -> dict:
     """Serve html_dir and call visit(page, url, path, external) for each path of `pages`, each in
     a fresh offline page (see offline_page) that is closed afterwards; context_options go to
-    Playwright's new_context (color_scheme="dark", java_script_enabled=False). The pages are shared out
+    Playwright's new_context (color_scheme="dark", java_script_enabled=False), and init_script,
+    if given, runs in every page before its own scripts. The pages are shared out
     among `workers` threads, each driving its own Chromium (the machine has two cores; a page
     spends most of its time in the browser running MathJax or axe-core). Returns
     {path: what visit returned}, in the order of `pages`. Raises RuntimeError when Chromium is
@@ -131,6 +132,8 @@ def visit_pages(html_dir: pathlib.Path, pages: list[str], visit, viewport: dict 
         with sync_playwright() as playwright:
             browser = launch(playwright)
             context = browser.new_context(viewport=viewport, **context_options)
+            if init_script:
+                context.add_init_script(init_script)
             try:
                 while True:
                     try:
