@@ -14,8 +14,8 @@ COURSE ?= course
 # references nitpicky (-n), and all warnings reported before failing (--keep-going).
 JB_FLAGS := --all -W -n --keep-going
 
-.PHONY: book html bench test test-code clean serve venv browser chapter screenshots notebooks \
-        student assignments release autograde feedback grades pdf models
+.PHONY: book html bench test check-release test-code clean serve venv browser chapter screenshots notebooks \
+        student assignments release autograde feedback grades pdf models test-matrix
 
 venv: $(STAMP)
 
@@ -82,15 +82,27 @@ html: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python tools/bench.py
 
-# The fast tests first (module, chapter sources, tools: a broken module fails in seconds), then
-# the whole book: one strict build, the site in Chromium, the notebooks alone, nbgrader.
+# The fast tests first, on both cores (module, chapter sources, tools: a broken module fails in
+# seconds), then the whole book: one strict build, every page in Chromium, the notebooks alone
+# on another numerical path, nbgrader on two chapters, a PDF of a few pages.
 test: $(STAMP) browser
-	$(BIN)/python -m pytest -m "not book"
-	$(BIN)/python -m pytest -m book
+	$(BIN)/python -m pytest -m "not book" -n 2
+	$(BIN)/python -m pytest -m "book and not release"
+
+# Before the site is published (.github/workflows/book.yml runs it after `make test`): what
+# `make test` leaves out for time. The whole book and its core path as PDFs, every page with a
+# figure or a switch in the dark theme, nbgrader on every other chapter. One build of its own.
+check-release: $(STAMP) browser
+	$(BIN)/python -m pytest -m release
 
 # The fast tests only: the module and the chapter sources, no book build, no browser.
 test-code: $(STAMP)
-	$(BIN)/python -m pytest -m "not book"
+	$(BIN)/python -m pytest -m "not book" -n 2
+
+# The fast tests once per numerical path that a reader's CPU may take (tools/test_matrix.py:
+# MKL's instruction sets and its compatible mode, PyTorch's vector kernels, one thread).
+test-matrix: $(STAMP)
+	$(BIN)/python tools/test_matrix.py
 
 serve: book
 	@echo "Serving _build/html at http://localhost:$(PORT) (Ctrl-C to stop)"

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import pathlib
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
@@ -14,6 +18,36 @@ from site_browser import toc_docs  # noqa: F401  (the tests import it from here)
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
+
+
+# `make bench` sets BOOK_SUITE_TIMES to a file where the book tests' costly steps write how long
+# they took (the build, the browser visits, the notebooks alone, nbgrader, per chapter where
+# there are chapters): tools/bench.py prints them beside each test file's time.
+SUITE_TIMES = "BOOK_SUITE_TIMES"
+_TIMES_LOCK = threading.Lock()
+
+
+def record_time(group: str, seconds: float, chapter: str | None = None) -> None:
+    """Add `seconds` to `group` (or to `chapter` within it) in BOOK_SUITE_TIMES's file, if set."""
+    target = os.environ.get(SUITE_TIMES)
+    if not target:
+        return
+    with _TIMES_LOCK:
+        path = pathlib.Path(target)
+        times = json.loads(path.read_text()) if path.is_file() else {}
+        key = group if chapter is None else f"{group} / {chapter}"
+        times[key] = times.get(key, 0.0) + seconds
+        path.write_text(json.dumps(times, indent=1))
+
+
+@contextlib.contextmanager
+def timed(group: str, chapter: str | None = None):
+    """Record how long the block took as `group` (record_time)."""
+    started = time.perf_counter()
+    try:
+        yield
+    finally:
+        record_time(group, time.perf_counter() - started, chapter)
 
 
 def build_book(out: pathlib.Path):
@@ -33,5 +67,31 @@ def build_book(out: pathlib.Path):
 
 @pytest.fixture(scope="session")
 def build(tmp_path_factory):
-    """One strict build of the whole book, shared by every test that needs it."""
-    return build_book(tmp_path_factory.mktemp("book"))
+    """One strict build of the whole book, shared by every test that needs it. While working on
+    the book tests alone, BOOK_REUSE_BUILD=_build reuses the build `make book` made there (its
+    log is not kept, so test_build_succeeds_without_warnings fails: `make test` never sets it)."""
+    if reuse := os.environ.get("BOOK_REUSE_BUILD"):
+        return 0, "", pathlib.Path(reuse).resolve()
+    with timed("the book's strict build"):
+        built = build_book(tmp_path_factory.mktemp("book"))
+    import pickle
+
+    environment = built[2] / ".doctrees" / "environment.pickle"
+    if environment.is_file():  # each chapter's execution, as myst-nb measured it
+        with open(environment, "rb") as handle:
+            metadata = pickle.load(handle).nb_metadata
+        for doc, data in metadata.items():
+            if data.get("exec_data"):
+                record_time("chapter executed in the build", data["exec_data"]["runtime"],
+                            doc.split("/")[-1])
+    return built
+
+
+@pytest.fixture(scope="session")
+def site(build):
+    """Every page of the build opened once in Chromium for every audit of tests/test_site.py
+    and tests/test_core_path_site.py: (html_dir, {page: report})."""
+    import test_site
+
+    with timed("every page in Chromium, one visit each"):
+        return test_site.visit_site(build)

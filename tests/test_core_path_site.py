@@ -166,10 +166,15 @@ STATE_JS = """() => ({
 })"""
 
 
-def visit_switch(page, url: str, path: str, external: list) -> dict:
-    """Turn the switch on by keyboard, look, follow a link to the next chapter, print, and
-    turn it off again (the browser context keeps local storage between pages)."""
-    sb.open_page(page, url)
+SWITCH_ACROSS_PAGES = "chapters/01-intuition.html"  # the page whose visit also follows a link
+
+
+def switch_check(page, url: str, path: str) -> dict:
+    """On a chapter page already open at desktop width (the last step of the site's one visit
+    per page, tests/test_site.py): turn the switch on by keyboard, look, print, and turn it off
+    again with Space. On SWITCH_ACROSS_PAGES it also opens another chapter in between, where the
+    switch must still be on (the browser context keeps local storage between pages)."""
+    page.evaluate("() => scrollTo(0, 0)")
     report = {"off": page.evaluate(STATE_JS)}
     page.focus(".core-path-button")
     page.keyboard.press("Enter")
@@ -178,25 +183,17 @@ def visit_switch(page, url: str, path: str, external: list) -> dict:
     page.emulate_media(media="print")
     report["printed"] = page.evaluate(STATE_JS)
     page.emulate_media(media="screen")
-    other = "chapters/01-intuition.html" if path != "chapters/01-intuition.html" else \
-        "chapters/02-queries-keys-values.html"
-    sb.open_page(page, url[: -len(path)] + other)  # another chapter: the switch is still on
-    report["reloaded"] = page.evaluate(STATE_JS)
+    if path == SWITCH_ACROSS_PAGES:
+        sb.open_page(page, url[: -len(path)] + "chapters/02-queries-keys-values.html")
+        report["reloaded"] = page.evaluate(STATE_JS)
     page.focus(".core-path-button")
     page.keyboard.press("Space")
     report["off_again"] = page.evaluate(STATE_JS)
     return report
 
 
-@pytest.fixture(scope="module", params=["light", "dark"])
-def switched(build, request):
-    _, _, out = build
-    html_dir = out / "html"
-    return sb.visit_pages(html_dir, chapter_pages(html_dir), visit_switch,
-                          color_scheme=request.param)
-
-
-def test_the_core_path_switch_hides_and_shows_the_deeper_sections(switched):
+def switch_problems(switched: dict) -> list[str]:
+    """What is wrong with the switch, from {page: switch_check's report}."""
     problems = []
     for page, r in switched.items():
         if not r["off"]["besideTheme"]:
@@ -205,6 +202,8 @@ def test_the_core_path_switch_hides_and_shows_the_deeper_sections(switched):
                 r["off"]["deeperShown"]):
             problems.append(f"{page}: off at first, every section shown: {r['off']}")
         for state in ("on", "printed", "reloaded"):
+            if state not in r:
+                continue
             s = r[state]
             if s["mode"] != "on" or any(s["deeperShown"]) or any(s["entriesShown"]) or (
                     state != "printed" and s["pressed"] != "true"):
@@ -213,27 +212,29 @@ def test_the_core_path_switch_hides_and_shows_the_deeper_sections(switched):
             problems.append(f"{page}: nothing announced: {r['on']['status']!r}")
         if r["off_again"]["mode"] != "off" or not all(r["off_again"]["deeperShown"]):
             problems.append(f"{page}: off again: {r['off_again']}")
-    assert not problems, "\n".join(problems)
+    if not any("reloaded" in r for r in switched.values()):
+        problems.append(f"the switch was never followed to another page ({SWITCH_ACROSS_PAGES})")
+    return problems
 
 
-def test_the_core_path_prints_as_a_book_without_its_deeper_sections(build, tmp_path):
-    """`make pdf` also writes the core path: the same pages with the switch on, so that no
-    deeper section's heading is printed while every core section's is."""
-    import pdf
-    from pypdf import PdfReader
+def test_the_core_path_switch_hides_and_shows_the_deeper_sections(site):
+    """In the light theme, from the one visit of each page (the `site` fixture of conftest.py);
+    `make check-release` does the same in the dark theme."""
+    html_dir, reports = site
+    switched = {page: reports[page]["core_switch"] for page in chapter_pages(html_dir)}
+    assert not switch_problems(switched), "\n".join(switch_problems(switched))
 
-    _, _, out = build
-    html_dir = out / "html"
-    target = tmp_path / "book-core.pdf"
-    pdf.print_book(html_dir, target, core=True)
+
+def core_pdf_problems(html_dir: pathlib.Path, pdf_text: str, pages: list[str]) -> list[str]:
+    """What is wrong with a core-path PDF's text for the chapter `pages` it printed: a deeper
+    section's numbered heading printed, a core section's missing, or no core-path title."""
     import unicodedata
 
     # NFKC undoes the ligatures of the PDF's text ("ﬁ" for "fi"); its spaces are unreliable.
-    text = unicodedata.normalize("NFKC", "".join(
-        "".join(page.extract_text().split()) for page in PdfReader(target).pages))
     squeeze = lambda s: "".join(s.split())  # noqa: E731 - the PDF's text loses its spaces
-    printed_deeper, missing_core = [], []
-    for page in chapter_pages(html_dir):
+    text = unicodedata.normalize("NFKC", squeeze(pdf_text))
+    problems = []
+    for page in pages:
         for section in article(html_dir, page).select("section > section"):
             heading = section.find(re.compile(r"h\d"), recursive=False)
             if heading is None:
@@ -248,12 +249,26 @@ def test_the_core_path_prints_as_a_book_without_its_deeper_sections(build, tmp_p
             deeper = section.find_parent("section", class_="deeper") or "deeper" in (
                 section.get("class") or [])
             if deeper and words in text:
-                printed_deeper.append(f"{page}: {heading.get_text(strip=True)}")
+                problems.append(f"{page}: deeper section printed: {heading.get_text(strip=True)}")
             elif not deeper and words not in text:
-                missing_core.append(f"{page}: {heading.get_text(strip=True)}")
-    assert not printed_deeper, "deeper sections in the core path's PDF:\n" + "\n".join(printed_deeper)
-    assert not missing_core, "core sections missing from it:\n" + "\n".join(missing_core)
-    assert "Attention,Computed:thecorepath" in text[:2000]
+                problems.append(f"{page}: core section missing: {heading.get_text(strip=True)}")
+    if "Attention,Computed:thecorepath" not in text[:2000]:
+        problems.append("no core-path title page")
+    return problems
+
+
+@pytest.mark.release
+def test_the_core_path_prints_as_a_book_without_its_deeper_sections(build, tmp_path):
+    """`make pdf` also writes the core path: the same pages with the switch on, so that no
+    deeper section's heading is printed while every core section's is (`make test` prints a
+    few pages the same way, tests/test_site.py)."""
+    import test_site
+
+    _, _, out = build
+    html_dir = out / "html"
+    _, text = test_site.printed_book(html_dir, tmp_path / "book-core.pdf", core=True)
+    problems = core_pdf_problems(html_dir, text, chapter_pages(html_dir))
+    assert not problems, "\n".join(problems)
 
 
 def test_core_exercises_link_no_deeper_section(build):

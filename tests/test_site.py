@@ -25,6 +25,8 @@ import pytest
 from axe_playwright_python.base import AXE_FILE_PATH  # the pinned package vendors axe.min.js
 
 import site_browser as sb
+import test_core_path_site as core_path
+from conftest import timed
 
 pytestmark = pytest.mark.book
 
@@ -79,11 +81,13 @@ OPEN_STATE_JS = """id => { const el = document.getElementById(id);
 
 # axe-core's color-contrast rule takes most of its time, nearly all of it on the ~1,500
 # highlighted code tokens of a chapter, which share a few colours on one background. So axe
-# checks contrast everywhere except in code blocks, and CODE_CONTRAST_JS checks each distinct
-# token colour on its background in code blocks by the same WCAG AA formula, for a fraction of
-# the time. preload: false, because axe's own fetch of the style sheets resolves the theme's
-# relative @import against the page instead of the style sheet, asking for a /basic.css that
-# does not exist (only the css-orientation-lock rule needs those sheets).
+# audits the page except its code blocks, where CODE_CONTRAST_JS checks each distinct token
+# colour on its background by the same WCAG AA formula, for a fraction of the time; in the
+# code blocks axe checks only what else applies to a block of highlighted text, that a block
+# that scrolls can be reached by keyboard (scrollable-region-focusable). preload: false,
+# because axe's own fetch of the style sheets resolves the theme's relative @import against
+# the page instead of the style sheet, asking for a /basic.css that does not exist (only the
+# css-orientation-lock rule needs those sheets).
 AXE_RUN_JS = """async () => {
   // Let the dropdowns that keyboard_check opened finish fading in.
   await new Promise(resolve => requestAnimationFrame(resolve));
@@ -91,10 +95,11 @@ AXE_RUN_JS = """async () => {
     .filter(animation => animation.effect && animation.effect.getComputedTiming().endTime !== Infinity)
     .map(animation => animation.finished));
   const options = {preload: false, resultTypes: ['violations']};
-  const rest = await axe.run(document, {...options, rules: {'color-contrast': {enabled: false}}});
-  const contrast = await axe.run({exclude: [['div.highlight']]},
-                                 {...options, runOnly: {type: 'rule', values: ['color-contrast']}});
-  return [...rest.violations, ...contrast.violations]
+  const page = await axe.run({exclude: [['div.highlight']]}, options);
+  const code = document.querySelector('div.highlight') ? await axe.run(
+    {include: [['div.highlight']]},
+    {...options, runOnly: {type: 'rule', values: ['scrollable-region-focusable']}}) : {violations: []};
+  return [...page.violations, ...code.violations]
     .filter(v => v.impact === 'serious' || v.impact === 'critical')
     .map(v => ({id: v.id, impact: v.impact, help: v.help,
                 nodes: v.nodes.slice(0, 5).map(n => n.target.join(' '))}));
@@ -372,8 +377,7 @@ def keyboard_check(page) -> dict:
     page.evaluate("() => { document.activeElement && document.activeElement.blur(); scrollTo(0, 0); }")
     seen: list[str] = []
     for _ in range(0, MAX_TABS, 50):
-        for _ in range(50):
-            page.keyboard.press("Tab")
+        page.keyboard.type("\t" * 50)  # 50 Tab presses (key down, key up) in one round trip
         seen = page.evaluate("() => window.__focused")
         if set(toggles) <= set(seen) or (seen and seen.count(seen[0]) > 1):  # all seen, or wrapped
             break
@@ -432,13 +436,17 @@ def visit(page, url: str, path: str, external: list, html_dir: pathlib.Path, axe
     report["math_overflow_phone"] = page.evaluate(MATH_OVERFLOW_JS)
     page.evaluate("() => scrollTo(0, 0)")
     report["chrome"][sb.PHONE["width"]] = page.evaluate(CHROME_JS)
+    if path in core_path.chapter_pages(html_dir):  # last: it may open another chapter
+        page.set_viewport_size(sb.DESKTOP)
+        report["core_switch"] = core_path.switch_check(page, url, path)
     report["seconds"] = time.perf_counter() - started
     return dict(report)
 
 
-@pytest.fixture(scope="module")
-def site(build):
-    """(html_dir, {page: report}) for every page of the built site."""
+def visit_site(build):
+    """(html_dir, {page: report}) for every page of the built site, each page opened once for
+    every audit: the `site` fixture of conftest.py, shared by this file and
+    test_core_path_site.py."""
     _, _, out = build
     html_dir = out / "html"
     pages = sb.html_pages(html_dir)
@@ -462,8 +470,9 @@ def pages_with(html_dir: pathlib.Path, marker: str) -> list[str]:
     return [p for p in sb.html_pages(html_dir) if marker in (html_dir / p).read_text()]
 
 
-def visit_dark(page, url: str, path: str, external: list) -> dict:
-    """The page in the theme's dark mode (the reader's system asks for it): the figures."""
+def visit_dark(page, url: str, path: str, external: list, html_dir: pathlib.Path) -> dict:
+    """The page in the theme's dark mode (the reader's system asks for it): the figures, and
+    on a chapter the core path's switch."""
     sb.open_page(page, url)
     report = {"theme": page.evaluate("() => document.documentElement.dataset.theme")}
     report["explorables"] = page.evaluate("() => document.querySelectorAll('div.explorable').length")
@@ -473,15 +482,19 @@ def visit_dark(page, url: str, path: str, external: list) -> dict:
             "() => [...document.querySelectorAll('.explorable-live svg.marks')]"
             ".map(svg => getComputedStyle(svg).backgroundColor)")
     report["figure_contrast"] = figure_contrast(page)
+    if path in core_path.chapter_pages(html_dir):
+        report["core_switch"] = core_path.switch_check(page, url, path)
     return report
 
 
 @pytest.fixture(scope="module")
 def dark_site(build):
-    """{page: report} for every page with a figure, opened in dark mode."""
+    """{page: report} for every page with a figure and every chapter, opened in dark mode
+    (`make check-release` only: `make test` looks at one theme)."""
     _, _, out = build
     html_dir = out / "html"
-    return sb.visit_pages(html_dir, pages_with(html_dir, "<figure"), visit_dark,
+    pages = sorted(set(pages_with(html_dir, "<figure")) | set(core_path.chapter_pages(html_dir)))
+    return sb.visit_pages(html_dir, pages, functools.partial(visit_dark, html_dir=html_dir),
                           color_scheme="dark")
 
 
@@ -718,22 +731,19 @@ def test_internal_links_and_anchors_resolve_and_external_links_are_listed(build)
 # --- the book as one PDF (`make pdf`) ------------------------------------------------------------
 
 
-def test_pdf_holds_every_page_in_order_with_no_unresolved_reference(build, tmp_path):
-    """tools/pdf.py prints the built site: the PDF's text has every page's title, in the order
-    of the contents and at the page the contents give, and no "??" of an unresolved
-    reference; its outline lists the pages."""
+def printed_book(html_dir: pathlib.Path, target: pathlib.Path, core: bool,
+                 pages: list[str] | None = None) -> tuple[dict, str]:
+    """Print the book (or only `pages`) with tools/pdf.py and check it as a book: every page's
+    title in the contents, in the order of _toc.yml and at the page the contents give, no "??"
+    of an unresolved reference, an outline that lists the pages. Returns the contents
+    ({page: (title, first page)}) and the PDF's text."""
     import pdf
     from pypdf import PdfReader
 
-    _, _, out = build
-    target = tmp_path / "book.pdf"
-    contents = pdf.print_book(out / "html", target)
+    contents = pdf.print_book(html_dir, target, core=core, pages=pages)
     reader = PdfReader(target)
-    assert len(contents) == len(pdf.toc_pages()) >= 13
-    chapters = [title for title, _ in contents.values() if re.match(r"\d+\. ", title)]
-    assert len(chapters) == len(list((pathlib.Path(__file__).parents[1] / "chapters")
-                                     .glob("[0-9][0-9]-*.md")))
-    front = "".join(reader.pages[i].extract_text() for i in range(3))
+    assert list(contents) == [p for p in pdf.toc_pages() if pages is None or p in pages]
+    front = "".join(reader.pages[i].extract_text() for i in range(min(3, len(reader.pages))))
     previous = 0
     for title, start in contents.values():
         assert start > previous, (title, start)
@@ -745,6 +755,37 @@ def test_pdf_holds_every_page_in_order_with_no_unresolved_reference(build, tmp_p
     text = "\n".join(page.extract_text() for page in reader.pages)
     assert "??" not in text
     assert [item.title for item in reader.outline] == [t for t, _ in contents.values()]
+    return contents, text
+
+
+# A few pages of the book, printed by `make test` on the core path: the landing page and a
+# chapter with math, figures, exercises and deeper sections. `make check-release` prints all.
+PDF_SAMPLE = ["chapters/intro.html", "chapters/05-masking.html"]
+
+
+def test_a_few_pages_print_as_a_book_on_the_core_path(build, tmp_path):
+    """tools/pdf.py on PDF_SAMPLE with the switch on: a book (title page, contents, page
+    numbers, outline) whose deeper sections are left out and whose core sections are printed."""
+    import test_core_path_site as core_path
+
+    _, _, out = build
+    with timed("a PDF of a few pages"):
+        _, text = printed_book(out / "html", tmp_path / "sample.pdf", core=True, pages=PDF_SAMPLE)
+    problems = core_path.core_pdf_problems(out / "html", text, PDF_SAMPLE[1:])
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.release
+def test_pdf_holds_every_page_in_order_with_no_unresolved_reference(build, tmp_path):
+    """`make pdf`'s whole book: every page, as printed_book checks it, and every chapter."""
+    import pdf
+
+    _, _, out = build
+    contents, _ = printed_book(out / "html", tmp_path / "book.pdf", core=False)
+    assert len(contents) == len(pdf.toc_pages()) >= 13
+    chapters = [title for title, _ in contents.values() if re.match(r"\d+\. ", title)]
+    assert len(chapters) == len(list((pathlib.Path(__file__).parents[1] / "chapters")
+                                     .glob("[0-9][0-9]-*.md")))
 
 
 # --- explorable figures and the figures' themes ----------------------------------------------
@@ -789,6 +830,15 @@ def test_figures_stand_out_from_their_background_in_the_light_theme(site):
     assert not problems, "figures that do not read in the light theme:\n" + format_failures(problems)
 
 
+@pytest.mark.release
+def test_the_core_path_switch_works_in_the_dark_theme(dark_site):
+    switched = {page: r["core_switch"] for page, r in dark_site.items() if "core_switch" in r}
+    assert switched, "no chapter visited in the dark theme"
+    problems = core_path.switch_problems(switched)
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.release
 def test_figures_read_in_the_dark_theme_and_charts_follow_it(dark_site):
     assert dark_site, "no page with a figure"
     problems = {}

@@ -83,13 +83,15 @@ def _page_numbers(page, count: int, first: int) -> bytes:
 CORE_PATH_KEY = "attention-computed:core-path"  # where _static/core-path.js keeps the switch
 
 
-def print_book(html_dir: pathlib.Path, out: pathlib.Path, core: bool = False) -> dict:
-    """Print every page of the book into one PDF at `out`; {page: (title, first page)}. With
-    `core`, the core path: the switch on, every deeper section hidden."""
+def print_book(html_dir: pathlib.Path, out: pathlib.Path, core: bool = False,
+               pages: list[str] | None = None) -> dict:
+    """Print every page of the book (or only `pages`, in the book's order) into one PDF at
+    `out`; {page: (title, first page)}. With `core`, the core path: the switch on, every deeper
+    section hidden."""
     from playwright.sync_api import sync_playwright
     from pypdf import PdfReader, PdfWriter
 
-    pages = toc_pages()
+    pages = [p for p in toc_pages() if pages is None or p in pages]
     missing = [p for p in pages if not (html_dir / p).is_file()]
     if missing:
         raise SystemExit(f"{html_dir} lacks {', '.join(missing)}: run `make book` first")
