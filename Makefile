@@ -102,7 +102,7 @@ test-code: $(STAMP)
 # The fast tests once per numerical path that a reader's CPU may take (tools/test_matrix.py:
 # MKL's instruction sets and its compatible mode, PyTorch's vector kernels, one thread).
 test-matrix: $(STAMP)
-	$(BIN)/python tools/test_matrix.py
+	$(BIN)/python tools/test_matrix.py -n 2
 
 serve: book
 	@echo "Serving _build/html at http://localhost:$(PORT) (Ctrl-C to stop)"

@@ -97,7 +97,7 @@ def _(split_heads, merge_heads):
 def _split_values(split_heads, inputs):
     for where, x, H, heads in inputs:
         got = _split_shaped(where, split_heads, x, H)
-        if torch.equal(got, heads):
+        if torch.equal(got, heads):  # exact: a split moves entries, it computes none
             continue
         B, H, L, hd = heads.shape
         if torch.equal(got, x.view(B, H, L, hd)):
@@ -114,7 +114,7 @@ def _split_values(split_heads, inputs):
 def _merge_values(merge_heads, inputs):
     for where, x, _, heads in inputs:
         merged = _merge_shaped(where, merge_heads, heads)
-        if torch.equal(merged, x):
+        if torch.equal(merged, x):  # exact: a merge moves entries, it computes none
             continue
         assert not torch.equal(merged, heads.reshape(x.shape)), (
             f"{where}: merge_heads reshaped (B, H, L, hd) directly; transpose(1, 2) back to "

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import induction as ind
+import numerics
 from attention import scaled_dot_product_attention
 
 torch.set_num_threads(1)
@@ -48,7 +49,7 @@ def test_the_second_copy_equals_the_first_and_everything_is_within_range(config,
     assert (first >= 1).all() and (second >= first + length).all()
     assert (second + length - 1 <= config.n_tokens).all()  # the last copied token is in
     for row, p1, p2, n in zip(tokens, first.tolist(), second.tolist(), length.tolist()):
-        assert torch.equal(row[p1:p1 + n], row[p2:p2 + n])
+        numerics.assert_same(row[p1:p1 + n], row[p2:p2 + n])  # token ids
     if lengths[1] < config.n_tokens // 2:  # room to move: the positions and the gap vary
         assert len(set(first.tolist())) > 3 and len(set((second - first - length).tolist())) > 3
 
@@ -61,21 +62,21 @@ def test_a_segment_of_half_the_sequence_sits_at_fixed_positions():
 def test_each_copyable_target_is_the_token_after_the_earlier_occurrence():
     batch = ind.make_batch(300, CONFIG, (3, 8), gen(3))
     copyable = batch.copyable()
-    assert torch.equal(copyable.sum(1), batch.length - 1)
+    numerics.assert_same(copyable.sum(1), batch.length - 1)  # counts
     b, i = copyable.nonzero(as_tuple=True)
     key = i - (batch.second - batch.first)[b] + 1
-    assert torch.equal(batch.targets[b, i], batch.tokens[b, key])
-    assert torch.equal(batch.inputs[b, i], batch.tokens[b, key - 1])  # the earlier occurrence
+    numerics.assert_same(batch.targets[b, i], batch.tokens[b, key])  # token ids
+    numerics.assert_same(batch.inputs[b, i], batch.tokens[b, key - 1])  # the earlier occurrence
 
 
 def test_batches_and_evaluation_sets_are_deterministic():
     one, two = ind.make_batch(8, CONFIG, (3, 8), gen(4)), ind.make_batch(8, CONFIG, (3, 8), gen(4))
-    assert all(torch.equal(getattr(one, f.name), getattr(two, f.name))
-               for f in dataclasses.fields(ind.Batch))
+    for f in dataclasses.fields(ind.Batch):  # integers, drawn alike
+        numerics.assert_same(getattr(one, f.name), getattr(two, f.name))
     sets = ind.evaluation_sets(CONFIG)
     assert len(sets["train"]) == len(sets["heldout"]) == CONFIG.eval_size
     assert sets["heldout"].length.min() >= 9 and sets["train"].length.max() <= 8
-    assert torch.equal(sets["train"].tokens, ind.evaluation_sets(CONFIG)["train"].tokens)
+    numerics.assert_same(sets["train"].tokens, ind.evaluation_sets(CONFIG)["train"].tokens)
 
 
 # --- the scores on hand-made patterns -----------------------------------------------------------
@@ -115,7 +116,7 @@ def test_induction_score_on_hand_made_patterns():
     weights = torch.cat([induction, duplicate, causal_uniform(B, 1, T)], dim=1)  # (B, 3, T, T)
     score = ind.induction_score(weights, batch.first, batch.second, batch.length)
     assert score.shape == (3,)
-    assert score[0] == 1.0 and score[1] == 0.0
+    numerics.assert_close(score[:2], torch.tensor([1.0, 0.0], dtype=torch.float64))
     # uniform weights: each copyable query i puts 1 / (i + 1) on its key; one mean over all
     torch.testing.assert_close(score[2], (1.0 / (i + 1).double()).mean())
 
@@ -207,8 +208,8 @@ def test_training_is_deterministic_and_logs_every_record():
     (m1, log1), (m2, log2) = ind.train(config, 3), ind.train(config, 3)
     assert log1 == log2 and [r["step"] for r in log1] == [0, 25]
     assert set(log1[0]) == {"step", "loss", "heldout_loss", "previous_token", "induction"}
-    assert all(torch.equal(a, b) for a, b in zip(m1.state_dict().values(),
-                                                 m2.state_dict().values()))
+    for a, b in zip(m1.state_dict().values(), m2.state_dict().values()):
+        numerics.assert_same(a, b)  # the same computation on the same shapes, twice
     assert ind.phase_change_step(log1, 10.0) == 0 and ind.phase_change_step(log1, 0.0) is None
 
 
@@ -227,8 +228,8 @@ def test_a_saved_run_loads_with_its_weights_and_log(saved):
     folder, m, log = saved
     run = ind.load_run("tiny", folder)
     assert run.log == log and run.seed == 0 and run.config.steps == 0
-    assert all(torch.equal(a, b) for a, b in zip(run.model.state_dict().values(),
-                                                 m.state_dict().values()))
+    for a, b in zip(run.model.state_dict().values(), m.state_dict().values()):
+        numerics.assert_same(a, b)  # a copy, through the file
     record = json.loads((folder / "tiny.json").read_text())
     assert record["torch"] == torch.__version__ and len(record["sha256"]) == 64
 

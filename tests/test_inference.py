@@ -8,10 +8,11 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+import numerics
 from attention import KVCache, MultiHeadAttention, causal_mask, repeat_kv
 
-# "Equal" in this file: to float rounding.
-EQUAL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float64: dict(atol=1e-12, rtol=1e-12)}
+# Results of another computation (chunk by chunk against the whole sequence, a cache against
+# none) are compared to rounding (numerics.assert_close); copies and masks exactly (assert_same).
 
 CHUNKINGS = {  # how a sequence of 10 tokens is fed to the cache
     "whole": [10],
@@ -85,7 +86,7 @@ class TestGroupedQueryAttention:
         assert k.shape == (2, num_kv_heads, 10, 4)
         with sdpa_kernel(SDPBackend.MATH):
             heads = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        torch.testing.assert_close(out, m.out_proj(m.merge_heads(heads)), **EQUAL[dtype])
+        numerics.assert_close(out, m.out_proj(m.merge_heads(heads)))
 
     def test_query_head_h_reads_kv_head_h_over_group(self):
         x = torch.arange(2 * 3 * 5 * 1.0).view(1, 2, 3, 5)[..., None].expand(1, 2, 3, 5, 1)
@@ -93,7 +94,7 @@ class TestGroupedQueryAttention:
         out = repeat_kv(x, 3)
         assert out.shape == (1, 6, 3, 1)
         for h in range(6):
-            assert torch.equal(out[:, h], x[:, h // 3])
+            numerics.assert_same(out[:, h], x[:, h // 3])  # a copy
 
     def test_one_kv_head_per_query_head_is_mha(self):
         m = mha(num_kv_heads=None)
@@ -134,29 +135,26 @@ class TestKVCache:
                 out, w = m(chunk, chunk, chunk, is_causal=True, cache=cache)
             positions = cache.key_positions  # the position of each key the chunk was given
             assert w.shape[-1] == len(positions) and len(set(positions.tolist())) == len(positions)
-            torch.testing.assert_close(  # each chunk's weights are the full map's rows
-                w, full_weights_at(full_w, start, positions)[..., :n, :], **EQUAL[dtype])
+            numerics.assert_close(  # each chunk's weights are the full map's rows
+                w, full_weights_at(full_w, start, positions)[..., :n, :])
             if kind == "concatenating" or kind == "preallocated":  # in order: every key so far
                 assert positions.tolist() == list(range(start + n))
             outs.append(out)
             start += n
-        torch.testing.assert_close(torch.cat(outs, 1), full, **EQUAL[dtype])
+        numerics.assert_close(torch.cat(outs, 1), full)
         held = kept(kind)
         assert len(cache) == len(held) and cache.seen == 10
         assert cache.keys.shape == cache.values.shape == (2, num_kv_heads, len(held), 4)
         with torch.no_grad():  # in position order, whatever the storage's order
-            torch.testing.assert_close(cache.keys, m.split_heads(m.k_proj(x))[:, :, held],
-                                       **EQUAL[dtype])
-            torch.testing.assert_close(cache.values, m.split_heads(m.v_proj(x))[:, :, held],
-                                       **EQUAL[dtype])
+            numerics.assert_close(cache.keys, m.split_heads(m.k_proj(x))[:, :, held])
+            numerics.assert_close(cache.values, m.split_heads(m.v_proj(x))[:, :, held])
 
     def test_cache_holds_the_projected_keys_and_values(self):
         m, x = mha(num_kv_heads=2), tokens()
         cache = KVCache()
         decode(m, x, [6, 4], cache, is_causal=True)
-        torch.testing.assert_close(cache.keys, m.split_heads(m.k_proj(x)), **EQUAL[torch.float64])
-        torch.testing.assert_close(cache.values, m.split_heads(m.v_proj(x)),
-                                   **EQUAL[torch.float64])
+        numerics.assert_close(cache.keys, m.split_heads(m.k_proj(x)))
+        numerics.assert_close(cache.values, m.split_heads(m.v_proj(x)))
 
     def test_not_causal_sees_every_cached_and_new_key(self):
         m, x = mha(), tokens()
@@ -164,13 +162,13 @@ class TestKVCache:
         m(x[:, :6], x[:, :6], x[:, :6], cache=cache)
         out, w = m(x[:, 6:], x[:, 6:], x[:, 6:], cache=cache)
         full, full_w = m(x[:, 6:], x, x)  # the last 4 queries, every key
-        torch.testing.assert_close(out, full, **EQUAL[torch.float64])
-        torch.testing.assert_close(w, full_w, **EQUAL[torch.float64])
+        numerics.assert_close(out, full)
+        numerics.assert_close(w, full_w)
 
     def test_without_a_cache_is_causal_stays_top_left(self):
         m, x = mha(), tokens()
         _, w = m(x[:, :3], x, x, is_causal=True)  # 3 queries, 10 keys: top-left
-        assert torch.equal(w[0, 0] > 0, causal_mask(3, 10))
+        numerics.assert_same(w[0, 0] > 0, causal_mask(3, 10))  # booleans
 
     def test_a_padding_mask_applies_with_the_cache(self):
         m, x = mha(), tokens()
@@ -184,7 +182,7 @@ class TestKVCache:
                        attn_mask=keep[:, None, None, :end])
             outs.append(out)
         # Sequence 1's first three queries see no key at all: both give zero weights there.
-        torch.testing.assert_close(torch.cat(outs, 1), full, **EQUAL[torch.float64])
+        numerics.assert_close(torch.cat(outs, 1), full)
 
     @pytest.mark.parametrize("kind", KINDS, ids=list(KINDS))
     def test_reset_starts_a_new_sequence(self, kind):
@@ -197,8 +195,7 @@ class TestKVCache:
         # A preallocated or rolling cache keeps its storage for the next sequence.
         assert (cache.storage[0] is storage) == (kind != "concatenating")
         out, _ = decode(m, x, [2, 8], cache, is_causal=True)
-        torch.testing.assert_close(out, m(x, x, x, attn_mask=full_mask(kind))[0],
-                                   **EQUAL[torch.float64])
+        numerics.assert_close(out, m(x, x, x, attn_mask=full_mask(kind))[0])
         if kind != "concatenating":
             assert cache.storage[0].data_ptr() == storage.data_ptr()
             cache.reset(release=True)
@@ -240,7 +237,7 @@ class TestSlidingWindow:
         for i in range(6):
             for j in range(6):
                 assert bool(m[i, j]) == (0 <= i - j < 3)
-        assert torch.equal(causal_mask(4, window=10), causal_mask(4))
+        numerics.assert_same(causal_mask(4, window=10), causal_mask(4))  # booleans
 
     @pytest.mark.parametrize("L, S", [(7, 7), (3, 7), (7, 4)])
     def test_sink_mask_entries(self, L, S):
@@ -251,9 +248,9 @@ class TestSlidingWindow:
                 for i in range(L):
                     for j in range(S):
                         assert bool(m[i, j]) == (j <= i and (i - j < window or j < sinks))
-        assert torch.equal(causal_mask(L, S, window=2, sinks=0), causal_mask(L, S, window=2))
-        assert torch.equal(causal_mask(L, S, sinks=3), causal_mask(L, S))  # no window
-        assert torch.equal(causal_mask(L, S, window=1, sinks=S), causal_mask(L, S))
+        numerics.assert_same(causal_mask(L, S, window=2, sinks=0), causal_mask(L, S, window=2))
+        numerics.assert_same(causal_mask(L, S, sinks=3), causal_mask(L, S))  # no window
+        numerics.assert_same(causal_mask(L, S, window=1, sinks=S), causal_mask(L, S))
         assert int(causal_mask(20, window=5, sinks=3).sum(-1).max()) == 5 + 3
 
     @pytest.mark.parametrize("sinks", [-1, 1.0, True, None])
@@ -279,7 +276,7 @@ class TestSlidingWindow:
                 out_ring.append(m(chunk, chunk, chunk, is_causal=True, cache=ring)[0])
             start += n
         full, _ = m(x, x, x, attn_mask=causal_mask(10, window=window))
-        torch.testing.assert_close(torch.cat(out_ring, 1), full, **EQUAL[torch.float64])
+        numerics.assert_close(torch.cat(out_ring, 1), full)
 
 
 class TestPreallocatedCache:
@@ -300,8 +297,9 @@ class TestPreallocatedCache:
             addresses.add((storage_k.data_ptr(), storage_v.data_ptr()))
             assert keys.data_ptr() == storage_k.data_ptr() and keys._base is storage_k  # a view
             assert values._base is storage_v and keys.shape[-2] == start + n
-            assert torch.equal(keys[..., start:, :], k) and torch.equal(values[..., start:, :], v)
-            assert torch.equal(visible, torch.ones(n, start + n, dtype=torch.bool).tril(start))
+            numerics.assert_same(keys[..., start:, :], k)  # copies of what it was given
+            numerics.assert_same(values[..., start:, :], v)
+            numerics.assert_same(visible, torch.ones(n, start + n, dtype=torch.bool).tril(start))
             start += n
         assert len(addresses) == 1  # never reallocated
         assert cache.keys._base is storage_k and len(cache) == 10
@@ -367,10 +365,10 @@ class TestRollingCache:
             assert slots.tolist() == expected
             storage_k, storage_v = cache.storage
             assert storage_k.shape == (2, 2, window, 4)
-            for s, p in enumerate(expected):
+            for s, p in enumerate(expected):  # projected chunk by chunk, not all at once
                 if p >= 0:
-                    assert torch.equal(storage_k[:, :, s], k_all[:, :, p])
-                    assert torch.equal(storage_v[:, :, s], v_all[:, :, p])
+                    numerics.assert_close(storage_k[:, :, s], k_all[:, :, p])
+                    numerics.assert_close(storage_v[:, :, s], v_all[:, :, p])
 
     def test_allocates_once_and_one_token_attends_to_the_slots_themselves(self):
         cache, W = KVCache(window=4), 4
@@ -428,14 +426,14 @@ class TestRollingCache:
             assert cache.slot_positions.tolist() == expected
             storage_k, storage_v = cache.storage
             assert storage_k.shape == (2, 2, sinks + window, 4)
-            for slot, p in enumerate(expected):
+            for slot, p in enumerate(expected):  # projected chunk by chunk, not all at once
                 if p >= 0:
-                    assert torch.equal(storage_k[:, :, slot], k_all[:, :, p])
-                    assert torch.equal(storage_v[:, :, slot], v_all[:, :, p])
+                    numerics.assert_close(storage_k[:, :, slot], k_all[:, :, p])
+                    numerics.assert_close(storage_v[:, :, slot], v_all[:, :, p])
             held = [p for p in range(start) if p < sinks or p >= start - window]
             assert len(cache) == len(held)
-            assert torch.equal(cache.keys, k_all[:, :, held])
-            assert torch.equal(cache.values, v_all[:, :, held])
+            numerics.assert_close(cache.keys, k_all[:, :, held])
+            numerics.assert_close(cache.values, v_all[:, :, held])
 
     def test_sinks_one_token_at_a_time_attends_to_the_slots_themselves(self):
         cache = KVCache(window=3, sinks=2)
@@ -501,4 +499,4 @@ class TestCacheInputs:
             outs.append(m(x[:, a:b], x[:, a:b], x[:, a:b], is_causal=True, cache=cache)[0])
         grad_full, = torch.autograd.grad(full.square().sum(), x)
         grad_cached, = torch.autograd.grad(torch.cat(outs, 1).square().sum(), x)
-        torch.testing.assert_close(grad_cached, grad_full, **EQUAL[torch.float64])
+        numerics.assert_close(grad_cached, grad_full)

@@ -5,11 +5,11 @@ import math
 import pytest
 import torch
 
+import numerics
 from attention import scaled_dot_product_attention
 from position import (alibi_bias, alibi_slopes, interleaved_to_half_split,
                       rotary_embedding, rotary_frequencies, sinusoidal_encoding)
 
-TOL = {torch.float32: 1e-5, torch.float64: 1e-12}
 
 
 def sinusoidal_loops(P, d):
@@ -78,8 +78,7 @@ def slopes_paper(n):
 def test_sinusoidal_matches_loops(dtype):
     pe = sinusoidal_encoding(50, 16, dtype=dtype)
     assert pe.shape == (50, 16) and pe.dtype == dtype
-    torch.testing.assert_close(pe.double(), sinusoidal_loops(50, 16),
-                               atol=TOL[dtype], rtol=0)
+    numerics.assert_close(pe.double(), sinusoidal_loops(50, 16), dtype=dtype)
 
 
 def test_sinusoidal_offset_is_a_rotation():
@@ -90,7 +89,7 @@ def test_sinusoidal_offset_is_a_rotation():
         for i in range(4):
             c, s = math.cos(k * w[i]), math.sin(k * w[i])
             R[2 * i:2 * i + 2, 2 * i:2 * i + 2] = torch.tensor([[c, -s], [s, c]], dtype=torch.float64)
-        torch.testing.assert_close(pe[k:], pe[:-k] @ R, atol=1e-12, rtol=0)
+        numerics.assert_close(pe[k:], pe[:-k] @ R)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -100,9 +99,8 @@ def test_rotary_matches_loops_and_rotate_half(dtype):
     got = rotary_embedding(x)
     assert got.shape == x.shape and got.dtype == dtype
     pos = torch.arange(7)
-    torch.testing.assert_close(got.double(), rope_hf(x, pos), atol=TOL[dtype], rtol=0)
-    torch.testing.assert_close(got[1, 2].double(), rope_loops(x[1, 2], pos),
-                               atol=TOL[dtype], rtol=0)
+    numerics.assert_close(got.double(), rope_hf(x, pos), dtype=dtype)
+    numerics.assert_close(got[1, 2].double(), rope_loops(x[1, 2], pos), dtype=dtype)
 
 
 def test_rotary_relative_offset():
@@ -126,8 +124,7 @@ def test_rotary_positions_broadcast():
     got = rotary_embedding(x, ids[:, None, :])  # (B, 1, L)
     for b in range(2):
         for h in range(3):
-            torch.testing.assert_close(got[b, h], rope_loops(x[b, h], ids[b]),
-                                       atol=1e-12, rtol=0)
+            numerics.assert_close(got[b, h], rope_loops(x[b, h], ids[b]))
     torch.testing.assert_close(rotary_embedding(x, torch.arange(5)), rotary_embedding(x))
 
 
@@ -142,8 +139,7 @@ def test_layouts_convert_by_permutation():
     x = torch.randn(6, d, generator=g, dtype=torch.float64)
     perm = interleaved_to_half_split(d)
     inter = rope_interleaved_loops(x)
-    torch.testing.assert_close(rotary_embedding(x[:, perm]), inter[:, perm],
-                               atol=1e-12, rtol=0)
+    numerics.assert_close(rotary_embedding(x[:, perm]), inter[:, perm])
     assert not torch.allclose(rotary_embedding(x), inter)
     two = interleaved_to_half_split(4, num_heads=2)
     assert two.tolist() == [0, 2, 1, 3, 4, 6, 5, 7]
@@ -151,12 +147,12 @@ def test_layouts_convert_by_permutation():
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6, 8, 12, 16, 20])
 def test_alibi_slopes_match_the_paper(n):
-    torch.testing.assert_close(alibi_slopes(n), torch.tensor(slopes_paper(n), dtype=torch.float64),
-                               atol=1e-15, rtol=0)
+    numerics.assert_close(alibi_slopes(n), torch.tensor(slopes_paper(n), dtype=torch.float64))
 
 
 def test_alibi_slopes_eight_heads():
-    assert alibi_slopes(8).tolist() == [2.0 ** -k for k in range(1, 9)]
+    # Python's 2.0 ** -k on both sides (the exponent -8 * k / 8 is exact): the same computation
+    numerics.assert_same(alibi_slopes(8).tolist(), [2.0 ** -k for k in range(1, 9)])
 
 
 def test_alibi_bias_loops_and_attention():
@@ -168,8 +164,9 @@ def test_alibi_bias_loops_and_attention():
         for i in range(L):
             for j in range(S):
                 want = -float(slopes[h]) * abs(i - j)
-                assert sym[h, i, j] == want
-                assert bias[h, i, j] == (want if j <= i else float("-inf"))
+                # one multiplication of the same two numbers on both sides: the same result
+                numerics.assert_same(float(sym[h, i, j]), want)
+                numerics.assert_same(float(bias[h, i, j]), want if j <= i else float("-inf"))
     g = torch.Generator().manual_seed(4)
     q = torch.randn(2, H, L, 8, generator=g, dtype=torch.float64)
     k = torch.randn(2, H, S, 8, generator=g, dtype=torch.float64)
@@ -212,18 +209,17 @@ def yarn_loops(d, s, train_length, alpha=1.0, beta=32.0, base=10000.0):
 def test_scalings_with_s_one_are_the_plain_frequencies(d):
     plain = rotary_frequencies(d)
     for scaling in (("linear", 1), ("ntk", 1.0), ("yarn", 1, 4096), ("yarn", 1, 16, 1, 2)):
-        torch.testing.assert_close(rotary_frequencies(d, scaling=scaling), plain,
-                                   atol=0, rtol=1e-14)
+        numerics.assert_close(rotary_frequencies(d, scaling=scaling), plain)
 
 
 def test_linear_scaling_divides_every_frequency():
     for s in (2, 4.5):
-        torch.testing.assert_close(rotary_frequencies(64, scaling=("linear", s)),
-                                   rotary_frequencies(64) / s, atol=0, rtol=1e-14)
+        numerics.assert_close(rotary_frequencies(64, scaling=("linear", s)),
+                              rotary_frequencies(64) / s)
     # The same as positions divided by s: position s*p with PI is position p without it.
     x = torch.randn(3, 5, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
-    torch.testing.assert_close(rotary_embedding(x, torch.arange(5) * 4, scaling=("linear", 4)),
-                               rotary_embedding(x), atol=1e-12, rtol=0)
+    numerics.assert_close(rotary_embedding(x, torch.arange(5) * 4, scaling=("linear", 4)),
+                          rotary_embedding(x))
 
 
 @pytest.mark.parametrize("d, base", [(8, 100.0), (64, 10000.0), (128, 500000.0)])
@@ -232,9 +228,9 @@ def test_ntk_keeps_the_fastest_pair_and_interpolates_the_slowest(d, base):
     plain = rotary_frequencies(d, base=base)
     ntk = rotary_frequencies(d, base=base, scaling=("ntk", s))
     assert float(ntk[0]) == float(plain[0]) == 1.0
-    torch.testing.assert_close(ntk[-1], plain[-1] / s, atol=0, rtol=1e-12)
+    numerics.assert_close(ntk[-1], plain[-1] / s)
     c = torch.arange(d // 2, dtype=torch.float64)  # 0-based pair index
-    torch.testing.assert_close(ntk, plain / s ** (2 * c / (d - 2)), atol=0, rtol=1e-12)
+    numerics.assert_close(ntk, plain / s ** (2 * c / (d - 2)))
     assert bool((ntk <= plain).all()) and bool((ntk >= plain / s).all())
 
 
@@ -242,12 +238,13 @@ def test_ntk_keeps_the_fastest_pair_and_interpolates_the_slowest(d, base):
     (128, 4.0, 4096, 1.0, 32.0), (64, 8.0, 2048, 1.0, 32.0), (8, 2.0, 16, 1.0, 2.0)])
 def test_yarn_matches_the_paper_pair_by_pair(d, s, L, alpha, beta):
     got = rotary_frequencies(d, scaling=("yarn", s, L, alpha, beta))
-    torch.testing.assert_close(got, yarn_loops(d, s, L, alpha, beta), atol=0, rtol=1e-13)
+    numerics.assert_close(got, yarn_loops(d, s, L, alpha, beta))
     plain = rotary_frequencies(d)
     turns = L * plain / (2 * math.pi)
     fast, slow = turns > beta, turns < alpha
-    torch.testing.assert_close(got[fast], plain[fast], atol=0, rtol=0)  # left alone
-    torch.testing.assert_close(got[slow], plain[slow] / s, atol=0, rtol=1e-14)  # interpolated
+    # left alone: the plain frequencies' own computation, times 1, plus 0
+    numerics.assert_same(got[fast], plain[fast])
+    numerics.assert_close(got[slow], plain[slow] / s)  # interpolated
     ratio = got / plain  # from 1 for the fastest pairs down to 1/s, never rising
     assert bool((ratio[1:] <= ratio[:-1] + 1e-15).all())
 
@@ -270,8 +267,7 @@ def test_rotary_embedding_uses_the_scaled_frequencies():
                 u, v = float(x[t, i]), float(x[t, i + 4])
                 want[t, i] = u * math.cos(a) - v * math.sin(a)
                 want[t, i + 4] = v * math.cos(a) + u * math.sin(a)
-        torch.testing.assert_close(rotary_embedding(x, pos, scaling=scaling), want,
-                                   atol=1e-12, rtol=0)
+        numerics.assert_close(rotary_embedding(x, pos, scaling=scaling), want)
 
 
 def test_yarn_attention_scale():
@@ -306,10 +302,10 @@ def test_partial_rotary_rotates_the_first_features_only():
     ids = torch.tensor([[0, 1, 2, 3, 4, 5, 6], [0, 0, 1, 2, 3, 4, 5]])[:, None, :]
     got = rotary_embedding(x, ids, rotary_dim=4)
     torch.testing.assert_close(got[..., :4], rotary_embedding(x[..., :4], ids))
-    assert torch.equal(got[..., 4:], x[..., 4:])
+    numerics.assert_same(got[..., 4:], x[..., 4:])  # copies of the features not rotated
     torch.testing.assert_close(rotary_embedding(x, rotary_dim=10), rotary_embedding(x))
     odd = torch.randn(5, 7, generator=g, dtype=torch.float64)  # odd width, even rotary part
-    assert torch.equal(rotary_embedding(odd, rotary_dim=6)[:, 6], odd[:, 6])
+    numerics.assert_same(rotary_embedding(odd, rotary_dim=6)[:, 6], odd[:, 6])  # a copy
 
 
 def test_partial_rotary_scores_split_into_rotated_and_content_terms():
@@ -318,7 +314,7 @@ def test_partial_rotary_scores_split_into_rotated_and_content_terms():
     k = torch.randn(9, 12, generator=g, dtype=torch.float64)
     scores = rotary_embedding(q, rotary_dim=4) @ rotary_embedding(k, rotary_dim=4).T
     rotated = rotary_embedding(q[:, :4]) @ rotary_embedding(k[:, :4]).T
-    torch.testing.assert_close(scores - rotated, q[:, 4:] @ k[:, 4:].T, atol=1e-12, rtol=0)
+    numerics.assert_close(scores - rotated, q[:, 4:] @ k[:, 4:].T)
 
 
 @pytest.mark.parametrize("rotary_dim, match", [(3, "even"), (0, "even"), (12, "even"),
@@ -353,7 +349,7 @@ def test_partial_layouts_convert_by_permutation_with_biases():
     assert perm.tolist() == [0, 2, 1, 3, 4, 5, 6, 8, 7, 9, 10, 11]
     q_b = rotary_embedding(per_head(x @ w_q[:, perm] + b_q[perm]), rotary_dim=r)
     k_b = rotary_embedding(per_head(x @ w_k[:, perm] + b_k[perm]), rotary_dim=r)
-    torch.testing.assert_close(q_b @ k_b.transpose(-2, -1), scores_a, atol=1e-12, rtol=0)
+    numerics.assert_close(q_b @ k_b.transpose(-2, -1), scores_a)
     # Without permuting the biases the scores change.
     q_c = rotary_embedding(per_head(x @ w_q[:, perm] + b_q), rotary_dim=r)
     k_c = rotary_embedding(per_head(x @ w_k[:, perm] + b_k), rotary_dim=r)
