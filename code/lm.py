@@ -15,9 +15,13 @@ What is here, in the order the chapter "A language model on real text" uses it:
   key-value cache;
 - ``attention_weights``, ``score_on`` with the keys it scores (``back_keys``, ``last_keys``,
   ``word_start_keys``, all four by name in ``text_keys``), ``repeated_text``,
-  ``head_scores`` and ``ablate``: what the heads do;
+  ``head_scores`` and ``ablate``: what the heads do; ``ablation_groups`` and
+  ``ablation_rises``: what silencing each head or layer costs, window by window;
 - ``save_run`` and ``load_run``: the run tools/models.py trains (``make models``) and the
-  chapter loads, with its log and the SHA-256 of its weights.
+  chapter loads, with its log and the SHA-256 of its weights; ``predictions``, ``analyse``,
+  ``save_analysis`` and ``load_analysis``: its predictions and ablation costs on the whole
+  held-out text, which tools/models.py measures from the committed weights and the chapter
+  loads.
 
 Training is float64 and deterministic: the same config and seed give the same log. Shape
 legend as in ``attention.py``: B sequences, H heads, T positions, V characters in the
@@ -62,9 +66,16 @@ __all__ = [
     "repeated_text",
     "head_scores",
     "ablate",
+    "ablation_groups",
+    "predictions",
+    "ablation_rises",
     "save_run",
     "load_run",
     "Run",
+    "analyse",
+    "save_analysis",
+    "load_analysis",
+    "Analysis",
 ]
 
 DTYPE = torch.float64
@@ -446,6 +457,38 @@ def ablate(model: DecoderLM, heads: Iterable[tuple[int, int]]) -> DecoderLM:
     return ablated
 
 
+def ablation_groups(num_layers: int, num_heads: int) -> list[list[tuple[int, int]]]:
+    """The heads silenced together in the chapter's ablations: every head alone, layer by
+    layer, then every layer's heads together."""
+    return ([[(layer, head)] for layer in range(num_layers) for head in range(num_heads)]
+            + [[(layer, head) for head in range(num_heads)] for layer in range(num_layers)])
+
+
+def predictions(model: DecoderLM, tokens: Tensor, *, batch: int = 128) -> tuple[Tensor, Tensor]:
+    """``tokens`` cut into windows as ``evaluate`` cuts them (``windows``), read ``batch``
+    windows at a time: the cross-entropy of every prediction ``(N, context)``, whose mean is
+    ``evaluate``'s loss, and the log-probabilities of each window's last prediction
+    ``(N, V)``, the one made from a whole window."""
+    x, y = windows(tokens, model.max_len)
+    losses, last = [], []
+    with torch.no_grad():
+        for i in range(0, len(x), batch):
+            log_probs = torch.log_softmax(model(x[i:i + batch]), dim=-1)  # (b, T, V)
+            losses.append(-log_probs.gather(-1, y[i:i + batch, :, None])[..., 0])
+            last.append(log_probs[:, -1])
+    return torch.cat(losses), torch.cat(last)
+
+
+def ablation_rises(model: DecoderLM, tokens: Tensor, groups, *, batch: int = 128) -> Tensor:
+    """(len(groups), N): for each group of heads (a list of ``(block, head)``), how much the
+    mean loss of each window of ``tokens`` (``predictions``) rises when those heads are
+    silenced (``ablate``). The mean of a row is what the group is worth on ``tokens``; the
+    windows give its spread."""
+    base = predictions(model, tokens, batch=batch)[0].mean(dim=1)
+    return torch.stack([predictions(ablate(model, heads), tokens, batch=batch)[0].mean(dim=1)
+                        - base for heads in groups])
+
+
 # ---------------------------------------------------------------------------------------------
 # The trained run: written by tools/models.py (make models), read by the chapter
 
@@ -460,6 +503,7 @@ class Run:
     model: DecoderLM
     vocab: Vocabulary
     cpu_seconds: Optional[float] = None  # what training took, as tools/models.py measured it
+    sha256: Optional[str] = None  # of the weights, as its JSON records it
 
 
 def save_run(folder: pathlib.Path, name: str, config: Config, seed: int, model: DecoderLM,
@@ -486,4 +530,57 @@ def load_run(name: str, folder: Optional[pathlib.Path] = None) -> Run:
     model.load_state_dict(state)
     model.eval()
     return Run(name, config, record["seed"], record["log"], model, vocab,
-               record.get("cpu_seconds"))
+               record.get("cpu_seconds"), record["sha256"])
+
+
+@dataclass
+class Analysis:
+    """What a committed run does on the held-out text, measured by tools/models.py from its
+    weights: the run's name and the SHA-256 of those weights, the groups of heads silenced,
+    ``losses`` ``(N, context)`` and ``last`` ``(N, V)`` (``predictions`` on the N held-out
+    windows) and ``rises`` ``(len(groups), N)`` (``ablation_rises``)."""
+    name: str
+    run: str
+    run_sha256: str
+    groups: list
+    losses: Tensor
+    last: Tensor
+    rises: Tensor
+    cpu_seconds: Optional[float] = None
+
+
+def analyse(run: Run, held_out: Tensor, groups) -> dict[str, Tensor]:
+    """The tensors of an ``Analysis`` of ``run`` on ``held_out``: "losses" and "last"
+    (``predictions``), "rises" (``ablation_rises`` of ``groups``)."""
+    losses, last = predictions(run.model, held_out)
+    return {"losses": losses, "last": last,
+            "rises": ablation_rises(run.model, held_out, groups)}
+
+
+def save_analysis(folder: pathlib.Path, name: str, run: Run, groups, tensors: dict,
+                  cpu_seconds: Optional[float] = None) -> dict:
+    """Write ``tensors`` (``analyse`` of ``run`` and ``groups``) into ``folder`` as
+    ``<name>.pt`` and ``<name>.json``: the run's name and weights' SHA-256, the groups, the
+    number of windows, the CPU seconds the measurement took if given, and as its log the
+    held-out loss and each group's mean rise."""
+    rises, losses = tensors["rises"], tensors["losses"]
+    if rises.dim() != 2 or rises.shape != (len(groups), losses.shape[0]):
+        raise ValueError(f"rises must be (len(groups), N) = ({len(groups)}, {losses.shape[0]}),"
+                         f" got {tuple(rises.shape)}")
+    head = {"name": name, "run": run.name, "run_sha256": run.sha256,
+            "groups": [[list(h) for h in heads] for heads in groups],
+            "windows": losses.shape[0], "cpu_seconds": cpu_seconds}
+    log = {"held_out": float(losses.mean()), "cost": rises.mean(dim=1).tolist()}
+    return stored.save_run(folder, name, tensors, head, log)
+
+
+def load_analysis(name: str, folder: Optional[pathlib.Path] = None) -> Analysis:
+    """The analysis ``name``, read and checked like ``load_run``'s weights."""
+    record, state = stored.load_run(MODELS.as_posix(), name, folder, make=_MAKE)
+    n, groups = record["windows"], [[tuple(h) for h in heads] for heads in record["groups"]]
+    if (state["losses"].shape[0], state["last"].shape[0], tuple(state["rises"].shape)) != (
+            n, n, (len(groups), n)):
+        raise ValueError(f"{name}.pt does not hold one row per window ({n}) and group "
+                         f"({len(groups)})")
+    return Analysis(name, record["run"], record["run_sha256"], groups, state["losses"],
+                    state["last"], state["rises"], record.get("cpu_seconds"))

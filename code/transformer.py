@@ -13,19 +13,34 @@ or causal, in both orders and with either activation.
 Shapes are batch first: ``x`` is ``(B, T, D)`` with ``D = d_model``. The mask convention is
 the module's (code/attention.py): a boolean ``attn_mask`` is True where a query *may attend*;
 ``torch.nn.TransformerEncoderLayer``'s ``src_mask`` is True where it may *not*.
+
+The experiments of chapter "The Transformer block" are here too, for tools/models.py (``make
+models``) to run once and commit to models/block/, and for the chapter to load: post-LN against
+pre-LN learning to reverse a sequence with and without a warm-up (``ReversalConfig``,
+``train_reversal``), and the gradients of both orders at initialisation, over depth
+(``GradientConfig``, ``measure_gradients``); ``save_run`` and ``load_run`` write and read them
+with the SHA-256 of their tensors. All float64 and deterministic: the same config and seed give
+the same log.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import dataclasses
+import pathlib
+from dataclasses import dataclass
+from typing import Optional, Union
 
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+import stored
 from attention import KVCache, MultiHeadAttention
 
-__all__ = ["TransformerBlock", "DecoderLM", "ACTIVATIONS"]
+__all__ = ["TransformerBlock", "DecoderLM", "ACTIVATIONS", "ReversalConfig", "reversal_batch",
+           "reversal_model", "reversal_loss", "evaluate_reversal", "train_reversal",
+           "GradientConfig", "gradients_at_init", "measure_gradients", "save_run", "load_run",
+           "Run"]
 
 # The MLP's nonlinearity. "swiglu" is a gated unit (Shazeer 2020): the first linear layer
 # gives 2 * d_ff features, a gate g and a value u, and the MLP keeps silu(g) * u.
@@ -263,3 +278,275 @@ class DecoderLM(nn.Module):
             raise ValueError(f"attn_mask must be (T, T) or 4-D, broadcasting to (B, H, T, T) = "
                              f"{target} for tokens {tuple(tokens.shape)}; got "
                              f"{tuple(attn_mask.shape)}")
+
+
+# ---------------------------------------------------------------------------------------------
+# The experiments of chapter "The Transformer block": run by tools/models.py (make models),
+# committed to models/block/, loaded by the chapter
+
+DTYPE = torch.float64
+MODELS = pathlib.Path("models") / "block"  # in the repository, beside code/
+EVAL_SEED = 4321  # the generator of the fixed evaluation sequences, the same for every run
+_MAKE = "run `make models` to train the runs the chapter loads"
+
+
+def _positive_ints(config, names) -> None:
+    for name in names:
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{type(config).__name__}.{name} must be a positive integer, "
+                             f"got {value!r}")
+
+
+@dataclass(frozen=True)
+class ReversalConfig:
+    """The warm-up experiment. A ``DecoderLM`` of ``num_layers`` blocks (pre-LN if
+    ``norm_first``, else post-LN; ReLU; every matrix of the blocks drawn by Glorot's uniform
+    initialisation) reads ``half`` random tokens of ``vocab``, a separator (token ``vocab``)
+    and learns to write the ``half`` tokens reversed. Adam with ``betas`` at the rate ``lr``,
+    reached at once (``warmup = 0``) or linearly over the first ``warmup`` steps, on
+    ``batch_size`` fresh sequences a step, for ``steps`` steps; ``eval_size`` fixed sequences
+    evaluate the model."""
+
+    norm_first: bool = False
+    warmup: int = 0
+    vocab: int = 16
+    half: int = 4
+    d_model: int = 64
+    num_heads: int = 4
+    d_ff: int = 256
+    num_layers: int = 6
+    batch_size: int = 16
+    steps: int = 60
+    lr: float = 0.004
+    betas: tuple = (0.9, 0.98)
+    eval_size: int = 128
+
+    def __post_init__(self):
+        _positive_ints(self, ("vocab", "half", "d_model", "num_heads", "d_ff", "num_layers",
+                              "batch_size", "steps", "eval_size"))
+        if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
+            raise ValueError(f"ReversalConfig.warmup must be an integer >= 0, got "
+                             f"{self.warmup!r}")
+        object.__setattr__(self, "betas", tuple(self.betas))  # JSON gives a list
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "ReversalConfig":
+        return cls(**values)
+
+    def learning_rate(self, step: int) -> float:
+        """The rate of step ``step`` (from 0): ``lr * (step + 1) / warmup`` during the
+        warm-up, ``lr`` after it, ``lr`` throughout without one."""
+        ramp = min(1.0, (step + 1) / self.warmup) if self.warmup else 1.0
+        return self.lr * ramp
+
+
+def reversal_batch(config: ReversalConfig, generator: torch.Generator,
+                   batch: Optional[int] = None) -> Tensor:
+    """``(batch, 2 * half + 1)`` sequences (``batch`` defaults to ``config.batch_size``):
+    ``half`` random tokens, the separator ``config.vocab``, the ``half`` tokens reversed."""
+    batch = config.batch_size if batch is None else batch
+    tokens = torch.randint(config.vocab, (batch, config.half), generator=generator)
+    sep = torch.full((batch, 1), config.vocab)
+    return torch.cat([tokens, sep, tokens.flip(1)], dim=1)
+
+
+def reversal_model(config: ReversalConfig) -> DecoderLM:
+    """A fresh float64 ``DecoderLM`` for the task, every matrix of its blocks re-drawn by
+    Glorot's uniform initialisation (as in Xiong et al.'s analysis); its weights come from
+    the global random state (``train_reversal`` seeds it)."""
+    model = DecoderLM(config.vocab + 1, 2 * config.half, config.d_model, config.num_heads,
+                      config.d_ff, config.num_layers, norm_first=config.norm_first,
+                      activation="relu", dtype=DTYPE)
+    for p in model.blocks.parameters():
+        if p.dim() > 1:  # every matrix of the blocks
+            nn.init.xavier_uniform_(p)
+    return model
+
+
+def reversal_loss(model: DecoderLM, sequences: Tensor, half: int) -> Tensor:
+    """The cross-entropy of the model's predictions of the reversed half of ``sequences``
+    ``(B, 2 * half + 1)``: the model reads all but the last token, and row t predicts token
+    t + 1, so rows ``half`` to ``2 * half - 1`` predict the reversed tokens."""
+    logits = model(sequences[:, :-1])  # (B, 2 * half, vocab + 1)
+    return F.cross_entropy(logits[:, half:].flatten(0, 1), sequences[:, half + 1:].flatten())
+
+
+def evaluate_reversal(model: DecoderLM, config: ReversalConfig) -> dict:
+    """On ``config.eval_size`` fixed sequences (drawn with ``EVAL_SEED``): the loss of the
+    reversed half (``reversal_loss``) and the share of its tokens that the model's most likely
+    prediction gets right."""
+    sequences = reversal_batch(config, torch.Generator().manual_seed(EVAL_SEED),
+                               config.eval_size)
+    with torch.no_grad():
+        logits = model(sequences[:, :-1])[:, config.half:]
+        loss = F.cross_entropy(logits.flatten(0, 1), sequences[:, config.half + 1:].flatten())
+        right = (logits.argmax(-1) == sequences[:, config.half + 1:]).double().mean()
+    return {"loss": float(loss), "accuracy": float(right)}
+
+
+def train_reversal(config: ReversalConfig, seed: int, *,
+                   until: Optional[int] = None) -> tuple[DecoderLM, dict]:
+    """Train a fresh model (``reversal_model``, its weights from ``seed``, drawn without
+    touching the global random state) on batches from a generator seeded with ``1000 +
+    seed``. The log holds, for every step, the rate and the batch's loss (before the step),
+    and under "eval" ``evaluate_reversal`` after the last step. ``until`` stops the same run
+    after that many steps: its log is the start of the full run's, without the evaluation.
+    Returns the model and the log."""
+    until = config.steps if until is None else until
+    if not 0 <= until <= config.steps:
+        raise ValueError(f"until must lie in [0, {config.steps}], got {until}")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)  # the initial weights
+        model = reversal_model(config)
+    data = torch.Generator().manual_seed(1000 + seed)  # the batches
+    opt = torch.optim.Adam(model.parameters(), lr=config.lr, betas=config.betas)
+    log = {"lr": [], "loss": [], "eval": []}
+    for step in range(until):
+        rate = config.learning_rate(step)
+        opt.param_groups[0]["lr"] = rate
+        loss = reversal_loss(model, reversal_batch(config, data), config.half)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        log["lr"].append(rate)
+        log["loss"].append(loss.item())
+    if until == config.steps:
+        log["eval"].append({"step": config.steps, **evaluate_reversal(model, config)})
+    return model, log
+
+
+@dataclass(frozen=True)
+class GradientConfig:
+    """The measurement of gradients at initialisation: stacks of each depth of ``depths``, in
+    both orders, of ``TransformerBlock``s of width ``d_model`` (``num_heads`` heads, d_ff = 4
+    d_model, ReLU, Glorot's initialisation), reading ``batch_size`` random sequences of
+    ``length`` positions with entries of unit variance, a final layer norm for pre-LN, a
+    linear readout to ``n_classes`` classes and the cross-entropy against random targets;
+    ``seeds`` seeds, 0 to ``seeds - 1``."""
+
+    depths: tuple = (2, 4, 8, 16, 32)
+    seeds: int = 4
+    d_model: int = 64
+    num_heads: int = 4
+    n_classes: int = 32
+    batch_size: int = 16
+    length: int = 16
+
+    def __post_init__(self):
+        _positive_ints(self, ("seeds", "d_model", "num_heads", "n_classes", "batch_size",
+                              "length"))
+        object.__setattr__(self, "depths", tuple(self.depths))  # JSON gives a list
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "GradientConfig":
+        return cls(**values)
+
+
+ORDERS = {"post-LN": False, "pre-LN": True}  # the orders' names and their norm_first
+
+
+def gradients_at_init(config: GradientConfig, depth: int, norm_first: bool,
+                      seed: int) -> tuple[list[float], float]:
+    """One stack at initialisation: the Frobenius norm of the loss's gradient with respect to
+    ``W_down`` (``linear2.weight``) of each block, first to last, and the root mean square of
+    the stream at the top of the stack. Weights from ``seed`` (without touching the global
+    random state), inputs and targets from a generator seeded with ``100 + seed``."""
+    d = config.d_model
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        blocks = nn.ModuleList(TransformerBlock(d, config.num_heads, 4 * d,
+                                                norm_first=norm_first, activation="relu",
+                                                dtype=DTYPE) for _ in range(depth))
+        for p in blocks.parameters():
+            if p.dim() > 1:
+                nn.init.xavier_uniform_(p)
+        final = nn.LayerNorm(d, dtype=DTYPE) if norm_first else nn.Identity()
+        readout = nn.Linear(d, config.n_classes, dtype=DTYPE)
+    gen = torch.Generator().manual_seed(100 + seed)
+    stream = torch.randn(config.batch_size, config.length, d, generator=gen, dtype=DTYPE)
+    targets = torch.randint(config.n_classes, (config.batch_size, config.length), generator=gen)
+    for block in blocks:
+        stream = block(stream, is_causal=True)
+    logits = readout(final(stream))
+    F.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
+    return ([float(b.linear2.weight.grad.norm()) for b in blocks],
+            float(stream.detach().pow(2).mean().sqrt()))
+
+
+def measure_gradients(config: GradientConfig, depths: Optional[tuple] = None) -> dict:
+    """``gradients_at_init`` for every order, depth (of ``depths``, default the config's) and
+    seed: ``{order: {str(depth): {"grads": [per seed: per block], "rms": [per seed]}}}``."""
+    out = {}
+    for order, norm_first in ORDERS.items():
+        out[order] = {}
+        for depth in config.depths if depths is None else depths:
+            seeds = [gradients_at_init(config, depth, norm_first, s) for s in range(config.seeds)]
+            out[order][str(depth)] = {"grads": [g for g, _ in seeds], "rms": [r for _, r in seeds]}
+    return out
+
+
+def _gradient_tensors(log: dict) -> dict:
+    """The measurement as float64 tensors: ``"<order>/<depth>/grads"`` (seeds, depth) and
+    ``"<order>/<depth>/rms"`` (seeds,)."""
+    return {f"{order}/{depth}/{key}": torch.tensor(values, dtype=DTYPE)
+            for order, by_depth in log.items() for depth, record in by_depth.items()
+            for key, values in record.items()}
+
+
+@dataclass
+class Run:
+    """A committed run of models/block/: its name, kind (``"reversal"``: a trained model, or
+    ``"gradients"``: a measurement), config and seed, its log, the model (``None`` for a
+    measurement) and the CPU seconds ``make models`` took."""
+    name: str
+    kind: str
+    config: Union[ReversalConfig, GradientConfig]
+    seed: Optional[int]
+    log: dict
+    model: Optional[DecoderLM] = None
+    cpu_seconds: Optional[float] = None
+
+
+def save_run(folder: pathlib.Path, name: str, config, seed: Optional[int], log: dict,
+             model: Optional[DecoderLM] = None, cpu_seconds: Optional[float] = None) -> dict:
+    """Write ``<name>.pt`` and ``<name>.json`` into ``folder``: for a ``ReversalConfig`` the
+    model's state_dict, for a ``GradientConfig`` the measurement as tensors (the log's
+    numbers); the JSON holds the kind, config, seed, CPU seconds, log, torch's version and the
+    .pt's SHA-256."""
+    if isinstance(config, ReversalConfig):
+        if model is None:
+            raise ValueError("a reversal run is saved with its model")
+        kind, state = "reversal", model.state_dict()
+    elif isinstance(config, GradientConfig):
+        kind, state = "gradients", _gradient_tensors(log)
+    else:
+        raise TypeError(f"config must be a ReversalConfig or a GradientConfig, got "
+                        f"{type(config).__name__}")
+    head = {"name": name, "kind": kind, "config": dataclasses.asdict(config), "seed": seed,
+            "cpu_seconds": cpu_seconds}
+    return stored.save_run(folder, name, state, head, log)
+
+
+def load_run(name: str, folder: Optional[pathlib.Path] = None) -> Run:
+    """The committed run ``name``, read from ``folder``: by default the repository's
+    models/block/, else models/block/ beside this file (Colab, a download), fetched once. The
+    tensors' SHA-256 must be the one their JSON records; a measurement's tensors must be its
+    log's numbers."""
+    record, state = stored.load_run(MODELS.as_posix(), name, folder, make=_MAKE)
+    kind = record["kind"]
+    if kind == "reversal":
+        config = ReversalConfig.from_dict(record["config"])
+        model = reversal_model(config)
+        model.load_state_dict(state)
+        model.eval()
+    elif kind == "gradients":
+        config, model = GradientConfig.from_dict(record["config"]), None
+        expected = _gradient_tensors(record["log"])
+        if sorted(state) != sorted(expected) or any(
+                not torch.equal(state[k], expected[k]) for k in expected):  # a copy: bitwise
+            raise ValueError(f"{name}.pt does not hold the numbers of {name}.json's log")
+    else:
+        raise ValueError(f"{name}.json: unknown kind {kind!r}")
+    return Run(name, kind, config, record["seed"], record["log"], model,
+               record.get("cpu_seconds"))

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import lm
+import numerics
 import stored
 
 torch.set_num_threads(1)
@@ -51,7 +52,8 @@ def test_the_vocabulary_numbers_sorted_characters_and_round_trips():
 
 def test_the_split_is_contiguous_and_keeps_every_token():
     train, held = lm.split(TOKENS)
-    assert len(train) == int(0.9 * len(TOKENS)) and torch.equal(torch.cat([train, held]), TOKENS)
+    assert len(train) == int(0.9 * len(TOKENS))
+    numerics.assert_same(torch.cat([train, held]), TOKENS)  # token ids
     with pytest.raises(ValueError, match="strictly between 0 and 1"):
         lm.split(TOKENS, 1.0)
 
@@ -136,7 +138,8 @@ def test_the_learning_rate_warms_up_then_decays_to_its_floor():
     c = lm.Config()
     rates = [c.learning_rate(s) for s in range(c.steps + 1)]
     assert rates[0] == pytest.approx(c.lr / c.warmup)
-    assert rates[c.warmup - 1] == rates[c.warmup] == pytest.approx(c.lr)
+    numerics.assert_close(rates[c.warmup - 1], rates[c.warmup])  # two formulas meet at lr
+    assert rates[c.warmup] == pytest.approx(c.lr)
     assert rates[-1] == pytest.approx(c.min_lr)
     assert all(a < b for a, b in zip(rates[:c.warmup - 1], rates[1:c.warmup]))
     assert all(a >= b for a, b in zip(rates[c.warmup:], rates[c.warmup + 1:]))
@@ -166,8 +169,8 @@ def test_training_is_deterministic_and_until_gives_the_start_of_the_log():
     assert log == log2 and set(log) == {"lr", "loss", "eval"}
     assert len(log["loss"]) == len(log["lr"]) == TINY.steps
     assert [r["step"] for r in log["eval"]] == [0, 3, 6]
-    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
-                                                 again.state_dict().values()))
+    for a, b in zip(model.state_dict().values(), again.state_dict().values()):
+        numerics.assert_same(a, b)  # the same computation on the same shapes, twice
     _, start = lm.train(TINY, 3, SMALL_TEXT, until=4)
     assert start["loss"] == log["loss"][:4] and start["lr"] == log["lr"][:4]
     assert start["eval"] == log["eval"][:2]
@@ -191,7 +194,8 @@ def test_sampling_with_the_cache_gives_what_sampling_without_it_gives(tiny_model
                         generator=torch.Generator().manual_seed(1))
         b = lm.generate(tiny_model, prompt, 10, temperature=temperature,
                         generator=torch.Generator().manual_seed(1), cache=False)
-        assert torch.equal(a, b) and a.shape == (10,) and a.dtype == torch.long
+        numerics.assert_same(a, b)  # token ids
+        assert a.shape == (10,) and a.dtype == torch.long
 
 
 def test_temperature_zero_is_the_most_likely_character(tiny_model):
@@ -205,7 +209,8 @@ def test_a_sample_longer_than_the_context_restarts_its_window_the_same_way(tiny_
     prompt = SMALL.encode("All:\n")
     a = lm.generate(tiny_model, prompt, 40, generator=torch.Generator().manual_seed(0))
     b = lm.generate(tiny_model, prompt, 40, cache=False, generator=torch.Generator().manual_seed(0))
-    assert torch.equal(a, b) and a.shape == (40,)
+    numerics.assert_same(a, b)  # token ids
+    assert a.shape == (40,)
     # greedy decoding by the stated rule: the window starts at 0, grows to 16 characters, and
     # when a 17th arrives restarts from the last 8
     seen, start = prompt.tolist(), 0
@@ -225,7 +230,7 @@ def test_a_sample_longer_than_the_context_restarts_its_window_the_same_way(tiny_
 def test_the_decoder_returns_its_weights_on_request(tiny_model):
     x = SMALL.encode(SMALL_TEXT[:12])[None]
     logits, weights = tiny_model(x, need_weights=True)
-    torch.testing.assert_close(logits, tiny_model(x), rtol=0, atol=0)
+    numerics.assert_same(logits, tiny_model(x))  # the same computation: weights are always made
     assert len(weights) == TINY.num_layers and weights[0].shape == (1, TINY.num_heads, 12, 12)
     assert torch.allclose(weights[1].sum(-1), torch.ones(1, TINY.num_heads, 12, dtype=torch.float64))
     assert (weights[0].triu(1) == 0).all()  # causal
@@ -236,7 +241,7 @@ def test_score_on_averages_the_weight_on_each_querys_key():
     w[0, 0, :, 0] = 1.0  # head 0: everything on position 0
     w[0, 1, 0, 0], w[0, 1, 1, 1], w[0, 1, 2] = 1.0, 1.0, torch.tensor([0.5, 0.25, 0.25])
     keys = torch.tensor([[-1, 0, 0]])  # rows 1 and 2 only
-    assert lm.score_on(w, keys).tolist() == [1.0, 0.25]
+    numerics.assert_close(lm.score_on(w, keys), torch.tensor([1.0, 0.25]))
     with pytest.raises(ValueError, match=r"keys must be \(B, T\) = \(1, 3\).*got \(1, 2\)"):
         lm.score_on(w, torch.tensor([[0, 0]]))
     with pytest.raises(ValueError, match="a key lies after its query"):
@@ -261,7 +266,8 @@ def test_the_keys_of_the_scores_by_hand():
 
 def test_repeated_text_holds_a_passage_twice_after_one_character():
     rows = lm.repeated_text(TOKENS, 3, 5, torch.Generator().manual_seed(0))
-    assert rows.shape == (3, 11) and torch.equal(rows[:, 1:6], rows[:, 6:])
+    assert rows.shape == (3, 11)
+    numerics.assert_same(rows[:, 1:6], rows[:, 6:])  # token ids
     text = VOCAB.decode(rows[0])
     assert text[1:6] in TEXT and text[:6] in TEXT
 
@@ -306,10 +312,62 @@ def test_a_saved_run_loads_with_its_weights_and_log(tiny_model, tmp_path):
     run = lm.load_run("tiny", tmp_path)
     assert run.config == TINY and run.log == log and not run.model.training
     assert run.vocab.chars == SMALL.chars
-    assert all(torch.equal(a, b) for a, b in zip(run.model.state_dict().values(),
-                                                 tiny_model.state_dict().values()))
+    for a, b in zip(run.model.state_dict().values(), tiny_model.state_dict().values()):
+        numerics.assert_same(a, b)  # a copy, through the file
     state = torch.load(tmp_path / "tiny.pt", weights_only=True)
     state["unembed.weight"][0, 0] += 1.0
     torch.save(state, tmp_path / "tiny.pt")
     with pytest.raises(ValueError, match="SHA-256 .* but tiny.json records"):
         lm.load_run("tiny", tmp_path)
+
+
+# --- the held-out analysis: predictions and ablation costs, window by window ------------------
+
+def test_the_predictions_are_every_windows_losses_and_its_last_log_probabilities(tiny_model):
+    tokens = SMALL.encode(SMALL_TEXT[:200])
+    losses, last = lm.predictions(tiny_model, tokens, batch=5)
+    x, y = lm.windows(tokens, TINY.context)
+    assert losses.shape == x.shape and last.shape == (len(x), len(SMALL))
+    numerics.assert_close(losses.mean(), torch.tensor(lm.evaluate(tiny_model, tokens),
+                                                      dtype=torch.float64))
+    with torch.no_grad():
+        log_probs = torch.log_softmax(tiny_model(x), dim=-1)
+    numerics.assert_close(last, log_probs[:, -1])
+    numerics.assert_close(losses[2, 3], -log_probs[2, 3, y[2, 3]])
+
+
+def test_ablation_rises_are_each_windows_rise_of_the_loss(tiny_model):
+    tokens = SMALL.encode(SMALL_TEXT[:200])
+    groups = lm.ablation_groups(TINY.num_layers, TINY.num_heads)
+    assert groups == [[(0, 0)], [(0, 1)], [(1, 0)], [(1, 1)], [(0, 0), (0, 1)], [(1, 0), (1, 1)]]
+    rises = lm.ablation_rises(tiny_model, tokens, [[], *groups[:2]], batch=4)
+    assert rises.shape == (3, 12)
+    numerics.assert_close(rises[0], torch.zeros(12, dtype=torch.float64))  # nothing silenced
+    base = lm.evaluate(tiny_model, tokens)
+    silenced = lm.evaluate(lm.ablate(tiny_model, [(0, 1)]), tokens)
+    numerics.assert_close(rises[2].mean(), torch.tensor(silenced - base, dtype=torch.float64),
+                          factor=4)  # a mean of differences, against a difference of means
+
+
+def test_a_saved_analysis_loads_with_its_run_and_tensors(tiny_model, tmp_path):
+    log = {"lr": [], "loss": [], "eval": []}
+    lm.save_run(tmp_path, "tiny", TINY, 0, tiny_model, log, SMALL)
+    run = lm.load_run("tiny", tmp_path)
+    assert run.sha256 == stored.sha256(tmp_path / "tiny.pt")
+    tokens = SMALL.encode(SMALL_TEXT[:200])
+    groups = lm.ablation_groups(TINY.num_layers, TINY.num_heads)
+    tensors = lm.analyse(run, tokens, groups)
+    with pytest.raises(ValueError, match=r"rises must be \(len\(groups\), N\) = \(5, 12\)"):
+        lm.save_analysis(tmp_path, "bad", run, groups[:5], tensors)
+    record = lm.save_analysis(tmp_path, "tiny-held-out", run, groups, tensors, cpu_seconds=2.0)
+    assert (record["run"], record["run_sha256"], record["windows"]) == ("tiny", run.sha256, 12)
+    assert record["log"]["held_out"] == float(tensors["losses"].mean())  # the same computation
+    analysis = lm.load_analysis("tiny-held-out", tmp_path)
+    assert analysis.groups == groups and analysis.cpu_seconds == 2.0
+    for key in ("losses", "last", "rises"):
+        numerics.assert_same(getattr(analysis, key), tensors[key])  # a copy, through the file
+    state = torch.load(tmp_path / "tiny-held-out.pt", weights_only=True)
+    state["rises"][0, 0] += 1.0
+    torch.save(state, tmp_path / "tiny-held-out.pt")
+    with pytest.raises(ValueError, match="SHA-256 .* but tiny-held-out.json records"):
+        lm.load_analysis("tiny-held-out", tmp_path)

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
 
+import numerics
+import stored
 from attention import KVCache, causal_mask, padding_mask
 from transformer import TransformerBlock
 
@@ -287,7 +291,7 @@ def test_lm_attn_mask_replaces_the_causal_mask_in_every_block():
     want = F.layer_norm(x, (D,), lm.final_norm.weight, lm.final_norm.bias) @ lm.unembed.weight.T
     torch.testing.assert_close(logits, want)
     for w in weights:
-        assert torch.equal(w > 0, window.expand_as(w))  # exactly the window's keys
+        numerics.assert_same(w > 0, window.expand_as(w))  # exactly the window's keys (bools)
     assert not torch.allclose(logits[:, 3:], lm(tokens)[:, 3:])  # a query lost keys
     torch.testing.assert_close(logits[:, :3], lm(tokens)[:, :3])  # the first three did not
     # A per-sequence mask (B, 1, T, T): each sequence gets its own.
@@ -321,3 +325,111 @@ def test_lm_refuses_attn_mask_with_caches():
     lm = small_lm()
     with pytest.raises(ValueError, match="attn_mask or caches, not both"):
         lm(torch.zeros(1, 4, dtype=torch.long), caches=lm.new_caches(), attn_mask=causal_mask(4))
+
+
+# --- chapter 11's experiments: the reversal task and the gradients at initialisation ---------
+
+import transformer  # noqa: E402
+
+TINY_REVERSAL = transformer.ReversalConfig(norm_first=False, warmup=3, vocab=5, half=3,
+                                           d_model=8, num_heads=2, d_ff=16, num_layers=2,
+                                           batch_size=4, steps=6, eval_size=8)
+TINY_GRADIENTS = transformer.GradientConfig(depths=(1, 3), seeds=2, d_model=8, num_heads=2,
+                                            n_classes=5, batch_size=2, length=3)
+
+
+def test_a_reversal_sequence_is_tokens_the_separator_and_the_tokens_reversed():
+    rows = transformer.reversal_batch(TINY_REVERSAL, torch.Generator().manual_seed(0))
+    assert rows.shape == (4, 7) and int(rows[:, :3].max()) < 5
+    numerics.assert_same(rows[:, 3], torch.full((4,), 5))  # the separator: token `vocab`
+    numerics.assert_same(rows[:, 4:], rows[:, :3].flip(1))  # token ids
+    assert transformer.reversal_batch(TINY_REVERSAL, torch.Generator(), batch=9).shape == (9, 7)
+
+
+def test_the_reversal_rate_rises_over_the_warm_up_then_stays():
+    rates = [TINY_REVERSAL.learning_rate(s) for s in range(6)]
+    assert rates[:3] == pytest.approx([0.004 / 3, 0.008 / 3, 0.004]) and rates[3:] == [0.004] * 3
+    at_once = transformer.ReversalConfig(warmup=0)
+    assert {at_once.learning_rate(s) for s in range(60)} == {0.004}
+
+
+def test_the_reversal_loss_is_the_cross_entropy_of_the_reversed_half():
+    torch.manual_seed(0)
+    model = transformer.reversal_model(TINY_REVERSAL)
+    rows = transformer.reversal_batch(TINY_REVERSAL, torch.Generator().manual_seed(1))
+    logits = model(rows[:, :-1])  # (4, 6, 6): row t predicts token t + 1
+    want = F.cross_entropy(logits[:, 3:].reshape(-1, 6), rows[:, 4:].reshape(-1))
+    numerics.assert_close(transformer.reversal_loss(model, rows, 3), want)
+    assert model.blocks[0].linear1.weight.dtype == torch.float64 and not model.norm_first
+
+
+def test_reversal_training_is_deterministic_and_until_gives_the_start_of_the_log():
+    before = torch.random.get_rng_state()
+    model, log = transformer.train_reversal(TINY_REVERSAL, 2)
+    numerics.assert_same(torch.random.get_rng_state(), before)  # the global state: untouched
+    again, log2 = transformer.train_reversal(TINY_REVERSAL, 2)
+    assert log == log2 and len(log["loss"]) == len(log["lr"]) == 6
+    assert log["eval"] == [{"step": 6, **transformer.evaluate_reversal(model, TINY_REVERSAL)}]
+    for a, b in zip(model.state_dict().values(), again.state_dict().values()):
+        numerics.assert_same(a, b)  # the same computation on the same shapes, twice
+    _, start = transformer.train_reversal(TINY_REVERSAL, 2, until=4)
+    assert start == {"lr": log["lr"][:4], "loss": log["loss"][:4], "eval": []}
+    with pytest.raises(ValueError, match=r"until must lie in \[0, 6\]"):
+        transformer.train_reversal(TINY_REVERSAL, 2, until=7)
+
+
+def test_the_evaluation_is_on_fixed_sequences():
+    torch.manual_seed(0)
+    model = transformer.reversal_model(TINY_REVERSAL)
+    first = transformer.evaluate_reversal(model, TINY_REVERSAL)
+    torch.randint(5, (100,))  # the global random state does not matter
+    assert transformer.evaluate_reversal(model, TINY_REVERSAL) == first
+    assert 0 <= first["accuracy"] <= 1 and first["accuracy"] * 24 == int(first["accuracy"] * 24)
+
+
+def test_the_gradients_at_initialisation_are_one_per_block_and_deterministic():
+    grads, rms = transformer.gradients_at_init(TINY_GRADIENTS, 3, True, 0)
+    assert len(grads) == 3 and all(g > 0 for g in grads) and rms > 0
+    assert transformer.gradients_at_init(TINY_GRADIENTS, 3, True, 0) == (grads, rms)
+    measured = transformer.measure_gradients(TINY_GRADIENTS)
+    assert list(measured) == ["post-LN", "pre-LN"] and list(measured["pre-LN"]) == ["1", "3"]
+    assert measured["pre-LN"]["3"]["grads"][0] == grads and measured["pre-LN"]["3"]["rms"][0] == rms
+    assert len(measured["post-LN"]["1"]["grads"]) == 2  # seeds
+
+
+def test_the_configs_are_checked():
+    with pytest.raises(ValueError, match=r"ReversalConfig.half must be a positive integer"):
+        transformer.ReversalConfig(half=0)
+    with pytest.raises(ValueError, match=r"warmup must be an integer >= 0"):
+        transformer.ReversalConfig(warmup=-1)
+    with pytest.raises(ValueError, match=r"GradientConfig.seeds must be a positive integer"):
+        transformer.GradientConfig(seeds=True)
+    config = transformer.ReversalConfig.from_dict({"betas": [0.9, 0.98], "norm_first": True})
+    assert config.betas == (0.9, 0.98) and config.norm_first
+
+
+def test_saved_experiments_load_with_their_weights_and_logs(tmp_path):
+    model, log = transformer.train_reversal(TINY_REVERSAL, 0)
+    with pytest.raises(ValueError, match="saved with its model"):
+        transformer.save_run(tmp_path, "tiny", TINY_REVERSAL, 0, log)
+    record = transformer.save_run(tmp_path, "tiny", TINY_REVERSAL, 0, log, model, cpu_seconds=1.5)
+    assert record["kind"] == "reversal" and record["torch"] == torch.__version__
+    run = transformer.load_run("tiny", tmp_path)
+    assert (run.config, run.seed, run.log, run.cpu_seconds) == (TINY_REVERSAL, 0, log, 1.5)
+    assert not run.model.training
+    for a, b in zip(run.model.state_dict().values(), model.state_dict().values()):
+        numerics.assert_same(a, b)  # a copy, through the file
+    measured = transformer.measure_gradients(TINY_GRADIENTS)
+    transformer.save_run(tmp_path, "grads", TINY_GRADIENTS, None, measured)
+    run = transformer.load_run("grads", tmp_path)
+    assert run.kind == "gradients" and run.model is None and run.log == measured
+    state = torch.load(tmp_path / "grads.pt", weights_only=True)
+    state["pre-LN/3/rms"][0] += 1.0  # tensors that are not the log's, under a matching hash
+    torch.save(state, tmp_path / "grads.pt")
+    record = json.loads((tmp_path / "grads.json").read_text())
+    record["sha256"] = stored.sha256(tmp_path / "grads.pt")
+    (tmp_path / "grads.json").write_text(json.dumps(record))
+    with pytest.raises(ValueError, match="does not hold the numbers of grads.json's log"):
+        transformer.load_run("grads", tmp_path)
+    with pytest.raises(TypeError, match="ReversalConfig or a GradientConfig"):
+        transformer.save_run(tmp_path, "x", object(), 0, {})
