@@ -70,6 +70,8 @@ def test_publishing_workflow_tests_then_deploys_the_book():
     build, deploy = workflow["jobs"]["build"], workflow["jobs"]["deploy"]
     runs = [step.get("run") for step in build["steps"]]
     assert runs.index("make test") < runs.index("make book"), "README's commands, test first"
+    # What `make test` leaves out for time is checked before anything is published.
+    assert runs.index("make test") < runs.index("make check-release") < runs.index("make book")
     # A plain install of the pinned torch on a hosted runner would fetch the CUDA build.
     assert build["env"]["PIP_EXTRA_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"
     assert "bookworm" in build["container"], "Debian, whose chromium package make test installs"
@@ -181,13 +183,27 @@ def test_readme_shows_one_measurement_of_make_bench_for_the_book_as_it_is():
     assert re.match(r"Measured by `make bench` on \d{4}-\d\d-\d\d at commit \w+.*, on \d+ cores "
                     r".*torch [\d.]+", table), table[:200]
     chapters = sorted(p.stem for p in (ROOT / "chapters").glob("[0-9][0-9]-*.md"))
-    timed = re.findall(r"^\| (\d\d-[\w-]+) \| [\d.]+ \|$", table, re.M)
+    # Per chapter: its execution in the bench's build, in `make test`'s build and alone.
+    timed = re.findall(r"^\| (\d\d-[\w-]+) \| [\d.]+ \| [\d.]+ \| [\d.]+ \|", table, re.M)
     assert timed == chapters, f"the table times {timed}, the book has {chapters}: run make bench"
     graded = re.findall(r"^\| (\d\d-[\w-]+) \| [\d.]+ \| [\d.]+ \| (?:yes|NO) \|$", table, re.M)
     assert graded == chapters
-    for budget in ("clean build within", "no-op rebuild within", "s per chapter", "x floor",
-                   "x of PyTorch"):
+    for budget in ("clean build within", "no-op rebuild within", "floors in the build",
+                   f"within {bench.SUITE_BUDGET_FLOORS} floors", "x floor", "x of PyTorch"):
         assert budget in table, f"the table judges no budget {budget!r}"
+    for step in ("strict build", "Chromium", "alone", "nbgrader", "PDF"):
+        assert re.search(rf"^\| [^|]*{step}[^|]* \| [\d.]+ \|$", table, re.M), (
+            f"the table gives no time for the book tests' step {step!r}")
+
+
+def test_bench_knows_every_step_the_book_tests_record():
+    """tools/bench.py's per-chapter columns name the steps that the book tests record
+    (conftest.record_time) by the very names they record them under."""
+    import bench
+
+    sources = "".join(p.read_text() for p in (ROOT / "tests").glob("*.py"))
+    for step in bench.CHAPTER_STEPS:
+        assert f'"{step}"' in sources, step
 
 
 def test_make_bench_replaces_only_its_own_block_of_readme():

@@ -97,8 +97,9 @@ SETUP_TEMPLATE = '''\
 # Setup, hidden in the book. Makes the book's code importable (the module code/attention.py,
 # its siblings and this chapter's checks, code/checks_*.py): from the repository when the notebook
 # sits in it, else (Colab, a download) fetched once into this folder. Without myst_nb, glue()
-# just shows its value. Then: reproducible SVG figures, short tensor printing, and the torch
-# version, compared with the one the book's text was checked with.
+# shows its value, or keeps it in myst_nb.glued when told not to show it. Then: reproducible
+# SVG figures, short tensor printing, and the torch version, compared with the one the book's
+# text was checked with.
 import importlib, os, pathlib, sys, urllib.request
 sys.path.insert(0, str(pathlib.Path.cwd().parent / "code"))
 # The book's code/ folder: the published one at the book's ref, or where ATTENTION_PY_URL says
@@ -124,8 +125,9 @@ try:
 except ImportError:
     import types, IPython.display
     sys.modules["myst_nb"] = myst_nb = types.ModuleType("myst_nb")
+    myst_nb.glued = {}
     myst_nb.glue = lambda name, value, display=True: (
-        IPython.display.display(value) if display else None)
+        IPython.display.display(value) if display else myst_nb.glued.__setitem__(name, value))
 %config InlineBackend.figure_formats = ["svg"]
 %config InlineBackend.print_figure_kwargs = {"bbox_inches": "tight", "metadata": {"Date": None}}
 import matplotlib
