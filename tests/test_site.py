@@ -377,7 +377,8 @@ def keyboard_check(page) -> dict:
     page.evaluate("() => { document.activeElement && document.activeElement.blur(); scrollTo(0, 0); }")
     seen: list[str] = []
     for _ in range(0, MAX_TABS, 50):
-        page.keyboard.type("\t" * 50)  # 50 Tab presses (key down, key up) in one round trip
+        for _ in range(50):
+            page.keyboard.press("Tab")
         seen = page.evaluate("() => window.__focused")
         if set(toggles) <= set(seen) or (seen and seen.count(seen[0]) > 1):  # all seen, or wrapped
             break
