@@ -24,6 +24,13 @@ def test_toc_and_chapter_folder_agree():
     assert on_disk == set(docs), f"pages not in the toc: {on_disk - set(docs)}"
 
 
+def test_no_formula_sets_a_colour():
+    """The site's contrast audit leaves MathJax's elements to the paragraphs around them
+    (tests/test_site.py, AXE_RUN_JS): that holds while no formula colours its text."""
+    for page in sorted(CHAPTERS.glob("*.md")):
+        assert not re.search(r"\\(?:color|textcolor|colorbox)\b", page.read_text()), page.name
+
+
 def test_chapters_are_in_book_order():
     numbered = [d for d in toc_docs() if re.match(r"chapters/\d\d-", d)]
     assert numbered == sorted(numbered)
