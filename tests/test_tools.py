@@ -90,6 +90,24 @@ def test_publishing_workflow_tests_then_deploys_the_book():
 # test), or adapt it.
 
 
+def test_rfc3987_syntax_still_builds_its_parsers_when_imported():
+    """The setup cell (tools/chapter_structure.py) keeps jsonschema from importing
+    rfc3987_syntax, which builds a Lark parser per rule of its grammar at import. When it builds
+    them lazily (one parser or none at import), drop that line."""
+    probe = (
+        "import lark\n"
+        "built = []\n"
+        "init = lark.Lark.__init__\n"
+        "lark.Lark.__init__ = lambda self, *a, **k: (built.append(1), init(self, *a, **k))[1]\n"
+        "import rfc3987_syntax\n"
+        "print(len(built))\n")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert int(out.stdout) > 1, "rfc3987_syntax now builds its parsers lazily: drop the line"
+    import chapter_structure
+
+    assert 'sys.modules.setdefault("rfc3987_syntax", None)' in chapter_structure.SETUP_TEMPLATE
+
+
 def test_jupyter_book_cli_still_has_no_jobs_option():
     """build_book.pass_jobs: `jupyter-book build` cannot ask Sphinx for several processes."""
     import inspect

@@ -101,6 +101,9 @@ SETUP_TEMPLATE = '''\
 # SVG figures, short tensor printing, and the torch version, compared with the one the book's
 # text was checked with.
 import importlib, os, pathlib, sys, urllib.request
+# jsonschema, which nbformat and Altair import, would build 38 parsers at import for an IRI
+# format check no chapter uses: 2 s of every kernel's start. It goes without them.
+sys.modules.setdefault("rfc3987_syntax", None)
 sys.path.insert(0, str(pathlib.Path.cwd().parent / "code"))
 # The book's code/ folder: the published one at the book's ref, or where ATTENTION_PY_URL says
 # attention.py is. code/stored.py fetches trained models and the text from beside it.
