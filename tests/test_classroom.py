@@ -590,6 +590,56 @@ def test_prints_compare_however_many_messages_they_took():
                       + out(b)) == [("stream", "stdout", a), ("error", "E", "v"),
                                     ("stream", "stdout", b)]
 
+# A number in an SVG (a coordinate, a length) and what a figure may move between two numerical
+# paths: a hundredth of a point, 1/7200 inch, which no reader sees. The data behind a figure
+# differ in their last bits between paths; the SVG's text, every label and the count of its
+# numbers must not differ at all.
+SVG_NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:e-?\d+)?")
+SVG_POINTS = 0.01
+# Matplotlib names clip paths and markers by a hash of what they hold ("p6fdc3a...", "m0b2e..."),
+# so a coordinate a hundredth of a point away renames them: compared as names, not numbers.
+SVG_HASH_ID = re.compile(r"\b[pm][0-9a-f]{8,}\b")
+
+
+def same_outputs(mine: list, theirs: list) -> bool:
+    """Whether two cells' comparable() outputs show a reader the same thing: equal, except
+    that SVG figures may differ in their numbers by up to SVG_POINTS."""
+    if len(mine) != len(theirs):
+        return False
+    for a, b in zip(mine, theirs):
+        if a == b:
+            continue
+        svgs = [dict(x[1]).get("image/svg+xml") if x[0] in ("display_data", "execute_result")
+                else None for x in (a, b)]
+        if None in svgs or a[0] != b[0]:
+            return False
+        texts = [SVG_HASH_ID.sub("ID", "".join(svg) if isinstance(svg, list) else svg)
+                 for svg in svgs]
+        if SVG_NUMBER.split(texts[0]) != SVG_NUMBER.split(texts[1]):
+            return False  # another label, element or attribute
+        numbers = [[float(n) for n in SVG_NUMBER.findall(t)] for t in texts]
+        if len(numbers[0]) != len(numbers[1]) or any(
+                abs(x - y) > SVG_POINTS for x, y in zip(*numbers)):
+            return False
+        rest = [{k: v for k, v in x[1] if k != "image/svg+xml"} for x in (a, b)]
+        if rest[0] != rest[1]:
+            return False
+    return True
+
+
+GLUE_TEXT = re.compile(r"\{glue:text\}`([^`]+)`")
+
+
+def quoted_glue(md: str) -> tuple[dict[str, set[str]], str]:
+    """{key: the formats its {glue:text} roles give it} in a chapter's MyST source, and the
+    source without them (where any other use of a glued key is looked for)."""
+    formats: dict[str, set[str]] = {}
+    for spec in GLUE_TEXT.findall(md):
+        key, _, fmt = spec.rpartition(":") if ":" in spec else (spec, "", "")
+        formats.setdefault(key, set()).add(fmt or "s")
+    return formats, GLUE_TEXT.sub("", md)
+
+
 BOOK_FIGURE = re.compile(r'<script type="application/json" class="explorable-spec">(.*?)</script>',
                          re.S)
 # Altair's own HTML output (its "default" renderer, pinned altair): the spec is the first
@@ -612,6 +662,8 @@ def test_every_notebook_runs_alone_as_in_colab_and_prints_what_the_book_shows(bu
     and prints, cell for cell, what the book's build printed (cells tagged wall-clock time
     themselves and are left out). This is also the determinism check: two executions of every
     chapter, by two routes, agree."""
+    from myst_nb.core.variables import format_plain_text
+
     _, _, out = build
 
     def run(path):
@@ -633,19 +685,29 @@ def test_every_notebook_runs_alone_as_in_colab_and_prints_what_the_book_shows(bu
         for index, (mine, theirs) in enumerate(zip(alone, built)):
             if "wall-clock" in theirs.metadata.get("tags", []):
                 continue
-            if comparable(mine.outputs) != comparable(theirs.outputs):
+            if not same_outputs(comparable(mine.outputs), comparable(theirs.outputs)):
                 differ.append(f"{name}, code cell {index}: {theirs.source[:60]!r}")
         # Every number the text quotes: the values the build glued, which the notebook run
-        # alone must glue with the same digits.
+        # alone must glue with the same digits as the text prints them, in each format the text
+        # gives them; a value glued for another use (a formula) must be the same.
         book_glue = json.loads((out / "jupyter_execute" / "chapters" / f"{name}.glue.json")
                                .read_text())
+        formats, rest = quoted_glue((ROOT / "chapters" / f"{name}.md").read_text())
         timing = wall_clock_glue(built)
         for key, record in book_glue.items():
-            if timing.fullmatch(key) or "text/plain" not in record["data"]:
+            built_text = record["data"].get("text/plain")
+            if timing.fullmatch(key) or built_text is None:
                 continue
-            if glued.get(key) != record["data"]["text/plain"]:
-                differ.append(f"{name}, glued {key!r}: the build {record['data']['text/plain']!r}, "
-                              f"alone {glued.get(key)!r}")
+            if key not in glued:
+                differ.append(f"{name}, glued {key!r}: the notebook alone glued no such value")
+            for fmt in formats.get(key, ()):
+                shown = [format_plain_text(text, fmt) for text in (built_text, glued[key])]
+                if shown[0] != shown[1]:
+                    differ.append(f"{name}, glued {key!r} as {fmt!r}: the build prints "
+                                  f"{shown[0]!r}, alone {shown[1]!r}")
+            if key not in formats and key in rest and glued[key] != built_text:
+                differ.append(f"{name}, glued {key!r}: the build {built_text!r}, alone "
+                              f"{glued[key]!r}")
     assert not differ, ("outputs differ between the build and the notebook run alone on "
                         f"another numerical path ({OTHER_NUMERICAL_PATH}):\n" + "\n".join(differ))
 
