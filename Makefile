@@ -85,14 +85,15 @@ bench: $(STAMP)
 
 # The fast tests first, on both cores (module, chapter sources, tools: a broken module fails in
 # seconds), then the whole book: one strict build, every page in Chromium, the notebooks alone
-# on another numerical path, nbgrader on two chapters, a PDF of a few pages.
+# on another numerical path, nbgrader on one chapter, a PDF of a few pages.
 test: $(STAMP) browser
 	$(BIN)/python -m pytest -m "not book" -n 2
 	$(BIN)/python -m pytest -m "book and not release"
 
 # Before the site is published (.github/workflows/book.yml runs it after `make test`): what
 # `make test` leaves out for time. The whole book and its core path as PDFs, every page with a
-# figure or a switch in the dark theme, nbgrader on every other chapter. One build of its own.
+# figure or a switch in the dark theme, axe-core's colour rules on every page, nbgrader on every
+# other chapter. One build of its own.
 check-release: $(STAMP) browser
 	$(BIN)/python -m pytest -m release
 

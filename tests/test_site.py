@@ -63,11 +63,19 @@ IMAGES_JS = """() => [...document.images]
 TOGGLES_JS = """() => [...document.querySelectorAll('button.toggle-button, details > summary')]
   .map((el, i) => { if (!el.id) el.id = `kbd-toggle-${i}`; return el.id; })"""
 
-# Record every element that receives focus, so many Tab presses need one round trip.
-FOCUS_LOG_JS = """() => { window.__focused = []; const keys = new WeakMap(); let n = 0;
-  document.addEventListener('focusin', e => {
-    if (!keys.has(e.target)) keys.set(e.target, e.target.id || `focusable-${n++}`);
-    window.__focused.push(keys.get(e.target)); }); }"""
+# Puts a focusable but untabbable mark just before the toggle `id` (before its <details> for a
+# summary) and focuses it: the next Tab then goes to the first tabbable element after the mark,
+# which is the toggle exactly when the toggle is in the page's Tab order.
+TAB_START_JS = """id => { const el = document.getElementById(id);
+  const mark = document.createElement('span');
+  mark.id = 'kbd-tab-start'; mark.tabIndex = -1;
+  (el.tagName === 'SUMMARY' ? el.parentElement : el).before(mark);
+  mark.focus();
+  return document.activeElement === mark; }"""
+
+TAB_LANDED_JS = """() => { document.getElementById('kbd-tab-start').remove();
+  const el = document.activeElement;
+  return el && el !== document.body ? el.id || el.outerHTML.slice(0, 80) : null; }"""
 
 FOCUS_RING_JS = """id => { const el = document.getElementById(id), style = getComputedStyle(el);
   return document.activeElement === el && el.matches(':focus-visible') &&
@@ -79,75 +87,94 @@ OPEN_STATE_JS = """id => { const el = document.getElementById(id);
   const target = document.getElementById(el.dataset.target);
   return el.getAttribute('aria-expanded') === 'true' && !target.classList.contains('toggle-hidden'); }"""
 
-# axe-core's color-contrast rule takes most of its time, nearly all of it on the ~1,500
-# highlighted code tokens of a chapter, which share a few colours on one background. So axe
-# audits the page except its code blocks, where CODE_CONTRAST_JS checks each distinct token
-# colour on its background by the same WCAG AA formula, for a fraction of the time; in the
-# code blocks axe checks only what else applies to a block of highlighted text, that a block
-# that scrolls can be reached by keyboard (scrollable-region-focusable). Math is left out of
-# the contrast rule too, the half of a chapter's elements that MathJax writes: no formula sets
-# a colour (tests/test_chapters.py), so its text has the colour of the paragraph around it,
-# which the rule checks. preload: false, because axe's own fetch of the style sheets resolves
-# the theme's relative @import against the page instead of the style sheet, asking for a
-# /basic.css that does not exist (only the css-orientation-lock rule needs those sheets).
-AXE_RUN_JS = """async () => {
+# axe-core's two colour rules (color-contrast, link-in-text-block) cost most of a page's visit:
+# before checking any element they lay out a grid of every element on the page, and a chapter
+# has 15,000-30,000 of them, half written by MathJax and a third by the code highlighter. Yet
+# a text's contrast follows from its style alone: its colour and size, and the backgrounds
+# behind it. So `make test` audits contrast with TEXT_CONTRAST_JS, which takes every visible
+# piece of text on the page, keeps one per distinct style, and computes WCAG AA's ratio (4.5:1,
+# 3:1 for large text) over the backgrounds it sits on, in well under a second; every other axe
+# rule runs on the whole page. `make check-release` runs axe's colour rules themselves on every
+# page (test_axe_colour_rules_pass_on_every_page), which also look at what a style cannot show:
+# text over an image or over another element. preload: false, because axe's own fetch of the
+# style sheets resolves the theme's relative @import against the page instead of the style
+# sheet, asking for a /basic.css that does not exist (only css-orientation-lock needs them).
+AXE_OPTIONS = "{preload: false, resultTypes: ['violations']}"
+COLOUR_RULES = ("color-contrast", "link-in-text-block")
+AXE_RUN_JS = """async rules => {
   // Let the dropdowns that keyboard_check opened finish fading in.
   await new Promise(resolve => requestAnimationFrame(resolve));
   await Promise.all(document.getAnimations()
     .filter(animation => animation.effect && animation.effect.getComputedTiming().endTime !== Infinity)
     .map(animation => animation.finished));
-  const options = {preload: false, resultTypes: ['violations']};
-  const page = await axe.run({exclude: [['div.highlight']]},
-                             {...options, rules: {'color-contrast': {enabled: false}}});
-  const contrast = await axe.run({exclude: [['div.highlight'], ['mjx-container']]},
-                                 {...options, runOnly: {type: 'rule', values: ['color-contrast']}});
-  const code = document.querySelector('div.highlight') ? await axe.run(
-    {include: [['div.highlight']]},
-    {...options, runOnly: {type: 'rule', values: ['scrollable-region-focusable']}}) : {violations: []};
-  return [...page.violations, ...contrast.violations, ...code.violations]
+  const options = %s;
+  // Math is left out of the colour rules: no formula sets a colour (tests/test_chapters.py),
+  // so its text has the colour of the paragraph around it, which the rules check.
+  const result = rules.only
+    ? await axe.run({exclude: [['mjx-container']]}, {...options, runOnly: {type: 'rule', values: rules.only}})
+    : await axe.run(document, {...options, rules: Object.fromEntries(rules.skip.map(id => [id, {enabled: false}]))});
+  return result.violations
     .filter(v => v.impact === 'serious' || v.impact === 'critical')
     .map(v => ({id: v.id, impact: v.impact, help: v.help,
                 nodes: v.nodes.slice(0, 5).map(n => n.target.join(' '))}));
-}"""
+}""" % AXE_OPTIONS
 
-CODE_CONTRAST_JS = r"""() => {
+# Every distinct style of visible text on the page, with its contrast if below WCAG AA: the
+# text's colour (its alpha times every ancestor's opacity) over the background colours behind
+# it, composited up to the first opaque one (white if none is). Large text (24 px, or 18.66 px
+# bold) needs 3:1, the rest 4.5:1, as in axe's color-contrast rule. A background image in the
+# way cannot be judged from styles: the text is listed as unjudged, and check-release's axe
+# run judges it from the pixels.
+TEXT_CONTRAST_JS = r"""() => {
   const parse = css => {  // rgb()/rgba() as computed styles give them; null for anything else
     const m = css.match(/^rgba?\(([^)]+)\)$/);
     if (!m) return null;
     const p = m[1].split(/[\s,\/]+/).filter(Boolean).map(Number);
     return [p[0], p[1], p[2], p.length > 3 ? p[3] : 1];
   };
-  const TRANSPARENT = [0, 0, 0, 0];
-  const over = (top, below) => below.map((v, i) => top[i] * top[3] + v * (1 - top[3]));
-  const luminance = rgb => rgb.map(v => (v /= 255) <= 0.03928 ? v / 12.92 : ((v + 0.055) / 1.055) ** 2.4)
+  const over = (top, below) => below.map((v, i) => i < 3 ? top[i] * top[3] + v * (1 - top[3]) : 1);
+  const luminance = rgb => rgb.slice(0, 3).map(v => (v /= 255) <= 0.03928 ? v / 12.92 : ((v + 0.055) / 1.055) ** 2.4)
                               .reduce((sum, v, i) => sum + v * [0.2126, 0.7152, 0.0722][i], 0);
-  const backgroundOf = el => {  // the colour behind el: its own and its ancestors' backgrounds
-    const layers = [];
-    for (; el; el = el.parentElement) {
-      const colour = parse(getComputedStyle(el).backgroundColor) || TRANSPARENT;
-      if (colour[3] > 0) layers.push(colour);
-      if (colour[3] >= 1) break;
-    }
-    return layers.reverse().reduce((below, top) => over(top, below), [255, 255, 255]);
+  const behind = new Map();  // element -> {colour: opaque rgb behind its text, image, opacity}
+  const backdrop = el => {
+    if (!el) return {colour: [255, 255, 255, 1], image: false, opacity: 1};
+    if (behind.has(el)) return behind.get(el);
+    const style = getComputedStyle(el), own = parse(style.backgroundColor) || [0, 0, 0, 0];
+    const below = own[3] >= 1 ? {colour: own, image: false, opacity: 1} : backdrop(el.parentElement);
+    const found = {colour: own[3] >= 1 ? own : over(own, below.colour),
+                   image: below.image || style.backgroundImage !== 'none',
+                   opacity: below.opacity * parseFloat(style.opacity)};
+    behind.set(el, found);
+    return found;
   };
-  const blockBackground = new Map(), found = new Map();
-  for (const token of document.querySelectorAll('div.highlight pre span')) {
-    if (!token.textContent.trim() || token.children.length) continue;
-    const pre = token.closest('pre');
-    if (!blockBackground.has(pre)) blockBackground.set(pre, backgroundOf(pre));
-    const own = parse(getComputedStyle(token).backgroundColor) || TRANSPARENT;
-    const fg = parse(getComputedStyle(token).color);
+  const styles = new Map(), done = new Set();
+  const walker = document.createTreeWalker(document.body, NodeFilter.SHOW_TEXT,
+    {acceptNode: node => node.data.trim() ? NodeFilter.FILTER_ACCEPT : NodeFilter.FILTER_REJECT});
+  for (let node = walker.nextNode(); node; node = walker.nextNode()) {
+    const el = node.parentElement;
+    if (!el || done.has(el)) continue;
+    done.add(el);
+    if (el.closest('mjx-assistive-mml') ||
+        !el.checkVisibility({visibilityProperty: true, opacityProperty: true})) continue;
+    const style = getComputedStyle(el), fg = parse(style.color);
     if (!fg) continue;
-    const background = own[3] > 0 ? over(own, blockBackground.get(pre)) : blockBackground.get(pre);
-    const colour = over(fg, background);
-    const key = `${colour.map(Math.round)} on ${background.map(Math.round)}`;
-    if (found.has(key)) continue;
-    const [light, dark] = [luminance(colour), luminance(background)].sort((a, b) => b - a);
-    found.set(key, {ratio: (light + 0.05) / (dark + 0.05),
-                    example: `.${token.className} ${token.textContent.trim().slice(0, 30)}`});
+    const back = backdrop(el);
+    const size = parseFloat(style.fontSize), bold = parseInt(style.fontWeight) >= 700;
+    const large = size >= 24 || (size >= 18.66 && bold);
+    const colour = over([...fg.slice(0, 3), fg[3] * back.opacity], back.colour);
+    const key = `${colour.slice(0, 3).map(Math.round)} on ${back.colour.slice(0, 3).map(Math.round)}`
+                + (large ? ' large' : '') + (back.image ? ' image' : '');
+    if (styles.has(key)) continue;
+    const [light, dark] = [luminance(colour), luminance(back.colour)].sort((a, b) => b - a);
+    const name = el.tagName.toLowerCase() + (el.className && typeof el.className === 'string'
+                 ? '.' + el.className.trim().split(/\s+/).join('.') : '');
+    styles.set(key, {ratio: (light + 0.05) / (dark + 0.05), needs: large ? 3 : 4.5, image: back.image,
+                     example: `${name} "${node.data.trim().slice(0, 30)}"`});
   }
-  return [...found].filter(([, v]) => v.ratio < 4.5)
-    .map(([key, v]) => `rgb ${key}: ${v.ratio.toFixed(2)}:1, e.g. ${v.example}`);
+  return {styles: styles.size,
+          low: [...styles].filter(([, v]) => !v.image && v.ratio < v.needs)
+            .map(([key, v]) => `${v.example}: rgb ${key}, ${v.ratio.toFixed(2)}:1 where ${v.needs}:1 is needed`),
+          unjudged: [...styles].filter(([, v]) => v.image).map(([, v]) => v.example)};
 }"""
 
 # After a resize to phone width: nothing, or the outermost elements that stick out of the
@@ -367,32 +394,22 @@ def figure_contrast(page) -> list[str]:
 
 WIDE = {"width": 1600, "height": 900}  # a wide screen, where the theme shows more chrome
 
-MAX_TABS = 3000  # Tab presses at most: far more than any page has focusable elements
-
-
 def keyboard_check(page) -> dict:
-    """Tab from the top of the page until focus has visited every dropdown toggle (or wrapped
-    around); then focus each one (it must show a focus ring), open it with Enter, close it
-    with Enter, and open it with Space.
+    """For every dropdown toggle, in page order: Tab from just before it must land on it (it is
+    in the Tab order), show a focus ring, open with Enter, close with Enter and open with Space.
     Leaves every dropdown open, so that the accessibility audit sees the solutions too."""
     toggles = page.evaluate(TOGGLES_JS)
-    if not toggles:
-        return {"toggles": 0, "unreachable": [], "problems": []}
-    page.evaluate(FOCUS_LOG_JS)
-    page.evaluate("() => { document.activeElement && document.activeElement.blur(); scrollTo(0, 0); }")
-    seen: list[str] = []
-    for _ in range(0, MAX_TABS, 50):
-        for _ in range(50):
-            page.keyboard.press("Tab")
-        seen = page.evaluate("() => window.__focused")
-        if set(toggles) <= set(seen) or (seen and seen.count(seen[0]) > 1):  # all seen, or wrapped
-            break
-    unreachable = [t for t in toggles if t not in seen]
-    problems = []
+    unreachable, problems = [], []
     for toggle in toggles:
-        if toggle in unreachable:
+        if not page.evaluate(TAB_START_JS, toggle):
+            unreachable.append(toggle)  # not rendered: its container is closed or hidden
             continue
-        page.evaluate("id => document.getElementById(id).focus()", toggle)
+        page.keyboard.press("Tab")
+        landed = page.evaluate(TAB_LANDED_JS)
+        if landed != toggle:
+            unreachable.append(toggle)
+            problems.append(f"{toggle}: Tab from just before it lands on {landed}")
+            continue
         if not page.evaluate(FOCUS_RING_JS, toggle):
             problems.append(f"{toggle}: no visible focus ring")
         states = []
@@ -427,10 +444,8 @@ def visit(page, url: str, path: str, external: list, html_dir: pathlib.Path, axe
     report["explorables"] = explorable_check(page)  # drawn before axe audits the page
     report["figure_contrast"] = figure_contrast(page)
     page.evaluate(axe_script)
-    report["axe"] = page.evaluate(AXE_RUN_JS) + [
-        {"id": "code-color-contrast", "impact": "serious", "nodes": [],
-         "help": f"highlighted code must meet WCAG AA contrast (4.5:1): {problem}"}
-        for problem in page.evaluate(CODE_CONTRAST_JS)]
+    report["axe"] = page.evaluate(AXE_RUN_JS, {"skip": COLOUR_RULES})
+    report["text_contrast"] = page.evaluate(TEXT_CONTRAST_JS)
     report["math_overflow_desktop"] = page.evaluate(MATH_OVERFLOW_JS)
     page.evaluate("() => scrollTo(0, 0)")
     report["chrome"] = {sb.DESKTOP["width"]: page.evaluate(CHROME_JS)}
@@ -491,6 +506,17 @@ def visit_dark(page, url: str, path: str, external: list, html_dir: pathlib.Path
     if path in core_path.chapter_pages(html_dir):
         report["core_switch"] = core_path.switch_check(page, url, path)
     return report
+
+
+def visit_for_colours(page, url: str, path: str, external: list, html_dir: pathlib.Path,
+                      axe_script: str) -> list:
+    """axe-core's own colour rules on the page, every dropdown open (`make check-release`)."""
+    if sb.redirect_target(html_dir, path):
+        return []
+    sb.open_page(page, url)
+    keyboard_check(page)
+    page.evaluate(axe_script)
+    return page.evaluate(AXE_RUN_JS, {"only": COLOUR_RULES})
 
 
 @pytest.fixture(scope="module")
@@ -585,8 +611,48 @@ def test_no_serious_or_critical_accessibility_violation(site):
     _, reports = site
     found = failures(reports, lambda page, r: [
         f"{v['impact']} {v['id']}: {v['help']}" + (f" at {v['nodes']}" if v["nodes"] else "")
-        for v in r["axe"]])
-    assert not found, "axe-core violations:\n" + format_failures(found)
+        for v in r["axe"]] + [f"text below WCAG AA contrast: {low}" for low in r["text_contrast"]["low"]])
+    assert not found, "axe-core violations and faint text:\n" + format_failures(found)
+    judged = [r["text_contrast"]["styles"] for r in reports.values() if "redirect" not in r]
+    assert min(judged) > 0, "a page where TEXT_CONTRAST_JS found no text at all"
+
+
+@pytest.mark.release
+def test_axe_colour_rules_pass_on_every_page(build):
+    """What `make test` judges from styles (TEXT_CONTRAST_JS), axe-core judges here from the
+    page itself, element by element: contrast over images and other elements included."""
+    _, _, out = build
+    html_dir = out / "html"
+    reports = sb.visit_pages(html_dir, sb.html_pages(html_dir), functools.partial(
+        visit_for_colours, html_dir=html_dir, axe_script=AXE_FILE_PATH.read_text(encoding="utf-8")))
+    found = {page: [f"{v['impact']} {v['id']}: {v['help']} at {v['nodes']}" for v in violations]
+             for page, violations in reports.items() if violations}
+    assert not found, "axe-core colour violations:\n" + format_failures(found)
+
+
+def test_text_contrast_finds_faint_text_of_every_kind(tmp_path):
+    """TEXT_CONTRAST_JS on a page made for it: each faint style is found, once, and nothing else;
+    text over a gradient is listed as unjudged; hidden text is not looked at."""
+    (tmp_path / "index.html").write_text("""<!DOCTYPE html><html lang="en"><head><title>t</title></head>
+<body style="font-size:16px">
+<p>Black on white, and <span style="color:#999">grey on white (2.85:1)</span>.</p>
+<p>Also <span style="color:#999">grey again, the same style</span>.</p>
+<p style="font-size:24px;color:#888">Large grey text (3.54:1) passes</p>
+<p style="font-size:16px;color:#888">The same grey, small, fails</p>
+<pre style="background:#f8f8f8"><span style="color:#777">token</span> <span style="color:#000">x</span></pre>
+<p style="color:rgba(0,0,0,0.3)">Black at 30 % alpha</p>
+<div style="opacity:0.5"><p style="color:#555">#555 in a half-transparent block</p></div>
+<div style="background:rgba(0,0,0,0.85)"><p style="color:#fff">white on a dark translucent layer</p></div>
+<p style="background-image:linear-gradient(#fff,#000);color:#777">over a gradient</p>
+<p style="display:none;color:#eee">hidden</p>
+</body></html>""")
+    found = sb.visit_pages(tmp_path, ["index.html"],
+                           lambda page, url, path, external: (page.goto(url), page.evaluate(TEXT_CONTRAST_JS))[1])
+    result = found["index.html"]
+    low = sorted(problem.split('": ')[0] + '"' for problem in result["low"])
+    assert low == ['p "#555 in a half-transparent blo"', 'p "Black at 30 % alpha"', 'p "The same grey, small, fails"',
+                   'span "grey on white (2.85:1)"', 'span "token"'], result["low"]
+    assert result["unjudged"] == ['p "over a gradient"'], result
 
 
 def test_keyboard_reaches_and_opens_every_dropdown(site):
