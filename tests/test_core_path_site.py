@@ -9,6 +9,8 @@ their solutions, the reading-time line and the badges; an inline formula is one 
 
 from __future__ import annotations
 
+import copy
+import functools
 import pathlib
 import posixpath
 import re
@@ -30,16 +32,22 @@ def chapter_pages(html_dir: pathlib.Path) -> list[str]:
 
 
 def article(html_dir: pathlib.Path, page: str):
+    """The page's article element, parsed once per file and version and shared by every test:
+    a test that changes it works on a copy (copy.copy)."""
+    path = html_dir / page
+    return _parsed_article(path, path.stat().st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=None)
+def _parsed_article(path: pathlib.Path, mtime_ns: int):
     from bs4 import BeautifulSoup
 
-    soup = BeautifulSoup((html_dir / page).read_text(encoding="utf-8"), "html.parser")
+    soup = BeautifulSoup(path.read_text(encoding="utf-8"), "html.parser")
     return soup.select_one("article.bd-article")
 
 
 def prose_words(node) -> tuple[int, int]:
     """(words of the prose, words of the core's prose) of an article element."""
-    import copy
-
     node = copy.copy(node)
     for skipped in node.select("div.cell, div.math, pre, div.exercise, div.solution, "
                                "p.reading-time, span.deeper-badge, section#exercises, "
@@ -239,6 +247,7 @@ def core_pdf_problems(html_dir: pathlib.Path, pdf_text: str, pages: list[str]) -
             heading = section.find(re.compile(r"h\d"), recursive=False)
             if heading is None:
                 continue
+            heading = copy.copy(heading)  # the parsed article is shared: change a copy
             for junk in heading.select("a.headerlink, span.deeper-badge"):
                 junk.decompose()
             # With its number ("5.6. The fully masked row"), a heading is told apart from the
