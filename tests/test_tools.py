@@ -179,6 +179,23 @@ def test_sphinx_still_reads_in_equal_batches():
     assert sphinx.builders.make_chunks is make_chunks
 
 
+def test_the_build_hands_out_one_page_at_a_time_the_most_code_first(monkeypatch):
+    """build_book.one_page_per_chunk: every page in a batch of its own, the chapters with the
+    most code first, so that a process left idle at the end waits for a quick page."""
+    import sphinx.builders
+
+    import build_book
+
+    monkeypatch.setattr(sphinx.builders, "make_chunks", sphinx.builders.make_chunks)
+    build_book.one_page_per_chunk()
+    pages = ["chapters/01-intuition", "chapters/notation", "chapters/08-position", "index"]
+    chunks = sphinx.builders.make_chunks(pages, 2)
+    assert all(len(chunk) == 1 for chunk in chunks)
+    order = [chunk[0] for chunk in chunks]
+    assert sorted(order) == sorted(pages)
+    assert order[:2] == ["chapters/08-position", "chapters/01-intuition"], order
+
+
 def test_build_book_patches_only_when_run():
     """Importing tools/build_book.py changes nothing; its patches apply when it runs."""
     from sphinx.domains import Domain

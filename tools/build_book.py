@@ -68,12 +68,28 @@ def one_page_per_chunk() -> None:
     (`sphinx.util.parallel.make_chunks`, looked up by `sphinx.builders` when it reads); with a
     few slow chapters among quick pages, one process can get most of the chapters while the
     other idles. With one page per batch a free process takes the next page as soon as it is
-    done. Upstream: a work queue for parallel reading (sphinx-doc/sphinx#6330, pull request
-    #13738) or a configurable batch size (sphinx-doc/sphinx#10967)."""
+    done; and the pages with the most code go first, so that the last pages left, when one
+    process may have nothing more to take, are quick ones. Upstream: a work queue for parallel
+    reading (sphinx-doc/sphinx#6330, pull request #13738) or a configurable batch size
+    (sphinx-doc/sphinx#10967)."""
+    import pathlib
+    import re
+
     import sphinx.builders
 
+    root = pathlib.Path(__file__).resolve().parents[1]
+
+    def code_size(docname: str) -> int:
+        """Characters in the page's code cells: what executing it costs, roughly."""
+        source = root / f"{docname}.md"
+        if not source.is_file():
+            return 0
+        cells = re.findall(r"^```\{code-cell\}[^\n]*\n(.*?)^```", source.read_text(encoding="utf-8"),
+                           re.S | re.M)
+        return sum(map(len, cells))
+
     def make_chunks(docnames, nproc, maxbatch=10):
-        return [[docname] for docname in docnames]
+        return [[docname] for docname in sorted(docnames, key=code_size, reverse=True)]
 
     sphinx.builders.make_chunks = make_chunks
 

@@ -172,8 +172,9 @@ def write_course_support(out: pathlib.Path) -> None:
     import shutil
     import sys
 
-    if str(ROOT / "_ext") not in sys.path:
-        sys.path.insert(0, str(ROOT / "_ext"))
+    extensions = pathlib.Path(__file__).resolve().parents[1] / "_ext"  # this book's, not ROOT's
+    if str(extensions) not in sys.path:
+        sys.path.insert(0, str(extensions))
     import offline_mathjax
 
     config = (NBGRADER_CONFIG.replace("@STUB@", json.dumps(STUB_BODY))
