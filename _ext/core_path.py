@@ -11,9 +11,14 @@ switch of _static/core-path.js find it there). This extension, as each page is r
 
 * labels every outermost deeper section with a badge, in its heading and in its entry of the
   page's contents;
+* marks every deeper exercise, and its solution, with the class ``deeper-exercise`` and a badge
+  at the top of its statement: the exercises whose path is *deeper* in the exercise table of
+  chapters/instructors.md, the one list of them (the course plans and the tests read it too),
+  so that the switch hides them with the deeper sections, on screen and in print;
 * counts the words of a chapter's prose, and of the prose of its core (everything outside the
-  deeper sections): paragraphs, lists, proofs and captions read as text, not code cells and
-  their outputs, display math or the exercises and solutions;
+  deeper sections): paragraphs, lists, proofs and the captions written in the chapter's text
+  (a figure drawn by a code cell is output, and its caption is not counted), not code cells
+  and their outputs, display math or the exercises and solutions;
 * puts the reading time of the core and of the whole chapter under its title.
 
 After every page is read, the ``{reading-routes}`` directive (on the landing page) becomes the
@@ -114,6 +119,45 @@ def label_deeper_sections(app: Sphinx, doctree: nodes.document) -> None:
             reference += badge()
 
 
+# A row of the exercise table in chapters/instructors.md: its number and its path.
+EXERCISE_ROW = re.compile(r"^\| (\d+\.\d+) \| .+? \| \w+, (?:auto|by hand) \| \d+ \| \d+ \| "
+                          r"(core|deeper) \|", re.M)
+
+
+def exercise_paths(srcdir) -> dict[str, str]:
+    """{"2.1": "core" or "deeper"} for every exercise of the table in chapters/instructors.md."""
+    import pathlib
+
+    table = pathlib.Path(srcdir, "chapters", "instructors.md").read_text(encoding="utf-8")
+    return dict(EXERCISE_ROW.findall(table))
+
+
+def mark_deeper_exercises(app: Sphinx, doctree: nodes.document) -> None:
+    """The class deeper-exercise, and a badge with a line saying why, on every exercise of this
+    chapter that the table calls deeper, and the class on its solution."""
+    match = re.search(r"chapters/(\d\d)-", app.env.docname)
+    if not match:
+        return
+    paths = exercise_paths(app.srcdir)
+    chapter = int(match.group(1))
+    exercises = [n for n in doctree.findall(nodes.Element)
+                 if type(n).__name__ == "exercise_enumerable_node"]
+    deeper_labels = set()
+    for number, exercise in enumerate(exercises, start=1):
+        if paths.get(f"{chapter}.{number}") != "deeper":
+            continue
+        exercise["classes"].append("deeper-exercise")
+        deeper_labels.add(exercise["label"])
+        note = nodes.paragraph("", "", badge(), nodes.Text(
+            " Builds on a deeper section: the core path leaves this exercise out."),
+            classes=["deeper-exercise-note"])
+        body = next((c for c in exercise.children if isinstance(c, nodes.section)), None)
+        (body if body is not None else exercise).insert(0, note)
+    for solution in doctree.findall(nodes.Element):
+        if type(solution).__name__ == "solution_node" and solution.get("target_label") in deeper_labels:
+            solution["classes"].append("deeper-exercise")
+
+
 def record_reading_time(app: Sphinx, doctree: nodes.document) -> None:
     """Count a chapter's words and put its reading times under its title."""
     env = app.env
@@ -162,9 +206,9 @@ def fill_routes(app: Sphinx, doctree: nodes.document, docname: str) -> None:
         hours = lambda words: f"{words / WORDS_PER_MINUTE / 60:.1f}"  # noqa: E731
         items = nodes.bullet_list()
         for name, count, text in (
-            ("The core path", core, "each chapter's core sections: what a one-week unit on "
-             "attention needs. The Core path switch at the top of every page, beside the theme "
-             "switch, hides the deeper sections, on screen and in print."),
+            ("The core path", core, "each chapter's core sections and the exercises they "
+             "are enough for. The Core path switch at the top of every page, beside the theme "
+             "switch, hides the deeper sections and exercises, on screen and in print."),
             ("The whole book", whole, "every section, the deeper ones included: variations of "
              "the proofs, the experiments that go past the core, and PyTorch's behaviour "
              "version by version."),
@@ -192,6 +236,7 @@ def setup(app: Sphinx) -> dict:
     app.add_directive("reading-routes", ReadingRoutes)
     app.connect("doctree-read", record_reading_time)
     app.connect("doctree-read", label_deeper_sections, priority=600)  # after the collectors
+    app.connect("doctree-read", mark_deeper_exercises)
     app.connect("doctree-resolved", fill_routes)
     app.connect("env-merge-info", merge_words)
     app.connect("env-purge-doc", purge_words)

@@ -261,8 +261,10 @@ _FILE_TYPES = tuple(getattr(__import__("io"), name) for name in (
     "FileIO", "BufferedReader", "BufferedWriter", "BufferedRandom", "TextIOWrapper"))
 
 
+# Resolved, as the file names they are compared with are: the book's folder may be reached
+# through a symbolic link (a student who links it into a course folder).
 _LIBRARY_DIRS = tuple({str(pathlib.Path(p).resolve()) for p in (
-    sys.prefix, sys.base_prefix, sys.exec_prefix)} | {str(pathlib.Path(__file__).parent)})
+    sys.prefix, sys.base_prefix, sys.exec_prefix, pathlib.Path(__file__).parent)})
 
 
 @functools.lru_cache(maxsize=4096)

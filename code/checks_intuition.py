@@ -15,7 +15,8 @@ check_simple_self_attention = Check(
 
 
 def _ssa_inputs() -> dict[str, torch.Tensor]:
-    """The four inputs, by name; the first: the six words of sentence A, as in the text."""
+    """The fixed inputs and those drawn at random, by name; the first: the six words of sentence
+    A, as in the text."""
     gen = torch.Generator().manual_seed(0)
     return {
         "sentence A (6, 4)": torch.tensor(

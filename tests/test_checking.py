@@ -784,14 +784,21 @@ def known_arguments(check, by_value=True) -> set:
 
 def memorising(check, fn, by_value=True):
     """fn on the arguments the fixed cases give (or on their sizes), zeros of the right shapes
-    elsewhere: what passes every case that no input drawn at random reaches."""
-    known = known_arguments(check, by_value)
+    elsewhere: what passes every case that no input drawn at random reaches. The arguments it
+    knows are found by `answer.prepare()`, which the test calls before grading (it runs the
+    check, so not while collecting the tests, and not inside a graded call)."""
+    known: set = set()
 
     @functools.wraps(fn)
     def answer(*args, **kwargs):
         if _key(args, by_value) in known:
             return fn(*args, **kwargs)
         return emptied(fn, "zeros")(*args, **kwargs)
+
+    def prepare():
+        if not known:
+            known.update(known_arguments(check, by_value))
+    answer.prepare = prepare
     return answer
 
 
@@ -878,6 +885,8 @@ def _id(entry):
 
 @pytest.mark.parametrize("entry", CATALOGUE, ids=_id)
 def test_the_catalogue_earns_what_it_should(entry, capsys):
+    for fn in entry.functions.values():
+        getattr(fn, "prepare", lambda: None)()  # an answer that must see the check first
     earned, messages = graded_points(entry.check, entry.functions)
     full = load_check(entry.check).points
     failed = [m for m in messages.values() if m is not None]
@@ -1168,3 +1177,19 @@ def test_a_right_answer_earns_everything_in_a_fresh_kernel():
                           timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "passed" in proc.stdout
+
+
+def test_a_right_answer_earns_everything_with_the_book_reached_through_a_link(tmp_path):
+    """A student who links the book's folder into a course folder imports the checks through
+    the link: the checks' own code must still count as the book's, not as the answer's."""
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    (tmp_path / "book").symlink_to(root, target_is_directory=True)
+    code = FRESH_KERNEL.format(paths=[str(tmp_path / "book" / "code")])
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count(": passed") == proc.stdout.count("\n"), proc.stdout

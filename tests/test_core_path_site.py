@@ -164,7 +164,7 @@ STATE_JS = """() => ({
   mode: document.documentElement.dataset.corePath,
   pressed: document.querySelector('.core-path-button')?.getAttribute('aria-pressed'),
   status: document.querySelector('.core-path-status')?.textContent || '',
-  deeperShown: [...document.querySelectorAll('section.deeper')]
+  deeperShown: [...document.querySelectorAll('section.deeper, div.deeper-exercise')]
     .filter(s => !s.parentElement.closest('section.deeper'))
     .map(s => s.getBoundingClientRect().height > 0),
   entriesShown: [...document.querySelectorAll('li.deeper-entry')]
@@ -303,4 +303,31 @@ def test_core_exercises_link_no_deeper_section(build):
             problems += [f"core exercise {number.group(1)} links {link['href']}"
                          for link in links_into_deeper(page, exercise.select("a[href]"), deeper)]
     assert seen == set(path), f"exercises on the pages {sorted(seen)} and in the table differ"
+    assert not problems, "\n".join(problems)
+
+
+def test_every_deeper_exercise_and_its_solution_are_marked_on_the_page(build):
+    """The exercises the instructors' table calls deeper carry the class the switch hides (and
+    a badge saying why), and so do their solutions; no other exercise does."""
+    _, _, out = build
+    html_dir = out / "html"
+    table = (pathlib.Path(__file__).resolve().parents[1] / "chapters" / "instructors.md").read_text()
+    path = dict(re.findall(r"^\| (\d+\.\d+) \| .+? \| \w+, (?:auto|by hand) \| \d+ \| \d+ \| "
+                           r"(core|deeper) \|", table, re.M))
+    marked, problems = set(), []
+    for page in chapter_pages(html_dir):
+        body = article(html_dir, page)
+        for exercise in body.select("div.exercise"):
+            title = exercise.select_one(".admonition-title")
+            number = re.search(r"Exercise (\d+\.\d+)", title.get_text(" ")).group(1)
+            if "deeper-exercise" not in exercise.get("class", []):
+                continue
+            marked.add(number)
+            if not exercise.select_one("p.deeper-exercise-note span.deeper-badge"):
+                problems.append(f"exercise {number}: no badge")
+            solutions = [s for s in body.select("div.solution")
+                         if s.select_one(f'a[href="#{exercise["id"]}"]')]
+            if not solutions or any("deeper-exercise" not in s.get("class", []) for s in solutions):
+                problems.append(f"exercise {number}: its solution is not marked")
+    assert marked == {n for n, p in path.items() if p == "deeper"}
     assert not problems, "\n".join(problems)

@@ -63,8 +63,8 @@ def _front_matter(page, title: str, contents: list[tuple[str, int]]) -> bytes:
     </style></head><body>
       <div class="title"><h1>{html.escape(title)}</h1>
         <p>An interactive textbook on the attention mechanism of Transformers, printed from
-        its web edition. Every number and figure was computed by the code beside it when the
-        book was built.</p></div>
+        its web edition. Every number that a cell computes and the text quotes, and every
+        figure a cell draws, comes from the code beside it, run when the book was built.</p></div>
       <h2>Contents</h2><table>{rows}</table></body></html>""")
     return page.pdf(**PAGE)
 
