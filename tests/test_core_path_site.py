@@ -14,11 +14,16 @@ import functools
 import pathlib
 import posixpath
 import re
+import sys
 import urllib.parse
 
 import pytest
 
 import site_browser as sb
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "_ext"))
+from core_path import exercise_paths  # noqa: E402  (the instructors' table, as the build reads it)
 
 pytestmark = pytest.mark.book
 
@@ -285,9 +290,7 @@ def test_core_exercises_link_no_deeper_section(build):
     statement links no deeper section of any chapter."""
     _, _, out = build
     html_dir = out / "html"
-    table = (pathlib.Path(__file__).resolve().parents[1] / "chapters" / "instructors.md").read_text()
-    path = dict(re.findall(r"^\| (\d+\.\d+) \| .+? \| \w+, (?:auto|by hand) \| \d+ \| \d+ \| "
-                           r"(core|deeper) \|", table, re.M))
+    path = exercise_paths(ROOT)
     pages = chapter_pages(html_dir)
     deeper = deeper_ids(html_dir, pages)
     problems, seen = [], set()
@@ -311,9 +314,7 @@ def test_every_deeper_exercise_and_its_solution_are_marked_on_the_page(build):
     a badge saying why), and so do their solutions; no other exercise does."""
     _, _, out = build
     html_dir = out / "html"
-    table = (pathlib.Path(__file__).resolve().parents[1] / "chapters" / "instructors.md").read_text()
-    path = dict(re.findall(r"^\| (\d+\.\d+) \| .+? \| \w+, (?:auto|by hand) \| \d+ \| \d+ \| "
-                           r"(core|deeper) \|", table, re.M))
+    path = exercise_paths(ROOT)
     marked, problems = set(), []
     for page in chapter_pages(html_dir):
         body = article(html_dir, page)

@@ -407,7 +407,6 @@ def keyboard_check(page) -> dict:
         page.keyboard.press("Tab")
         landed = page.evaluate(TAB_LANDED_JS)
         if landed != toggle:
-            unreachable.append(toggle)
             problems.append(f"{toggle}: Tab from just before it lands on {landed}")
             continue
         if not page.evaluate(FOCUS_RING_JS, toggle):
