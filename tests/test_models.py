@@ -1,9 +1,10 @@
-"""The trained runs committed in models/induction/, models/lm/ and models/block/ (`make
-models`, tools/models.py), which the chapters "Induction heads", "A language model on real
-text" and "The Transformer block" load: each is one of the runs tools/models.py trains, its
-weights are the ones its JSON's hash names, the book's code retrained for its first steps (50 of
-an induction run, 10 of the language model and of a reversal run of chapter 11) reproduces the
-start of its log, and its weights, evaluated by the book's code, give the end of its log.
+"""The trained runs committed in models/induction/, models/lm/, models/block/ and
+models/lookups/ (`make models`, tools/models.py), which the chapters "Induction heads", "A
+language model on real text", "The Transformer block" and "Multi-head attention" load: each is
+one of the runs tools/models.py trains, its weights are the ones its JSON's hash names, the
+book's code retrained for its first steps (50 of an induction run, 10 of the language model, of
+a reversal run of chapter 11 and of a two-lookup run of chapter 6) reproduces the start of its
+log, and its weights, evaluated by the book's code, give the end of its log.
 Chapter 11's measurement of gradients at initialisation is measured again, for its shallower
 stacks and for one seed of its deepest.
 
@@ -258,3 +259,45 @@ def test_the_gradient_measurement_is_what_the_book_code_measures():
                      *zip(entry["rms"], want["rms"])]
             worst = max(abs(a - b) for a, b in pairs)
             assert worst <= TOLERANCE, (order, depth, worst)
+
+
+# --- the two-lookup task of chapter 6 (models/lookups/) ----------------------------------------
+
+import lookups  # noqa: E402
+
+LOOKUP_FOLDER = models.LOOKUP_FOLDER
+LOOKUP_COMMITTED = sorted(path.stem for path in LOOKUP_FOLDER.glob("*.json"))
+LOOKUP_RETRAINED_STEPS = 10
+
+
+def test_the_committed_lookup_runs_are_the_runs_make_models_trains():
+    assert LOOKUP_COMMITTED == sorted(models.LOOKUP_RUNS), (
+        "run `make models` and commit models/lookups/")
+    assert sorted(p.name for p in LOOKUP_FOLDER.iterdir()) == sorted(
+        f"{name}{suffix}" for name in LOOKUP_COMMITTED for suffix in (".json", ".pt"))
+
+
+@pytest.mark.parametrize("name", LOOKUP_COMMITTED)
+def test_a_lookup_runs_json_names_its_weights_and_its_run(name):
+    record = json.loads((LOOKUP_FOLDER / f"{name}.json").read_text())
+    assert record["sha256"] == hashlib.sha256(
+        (LOOKUP_FOLDER / f"{name}.pt").read_bytes()).hexdigest()
+    assert (record["num_heads"], record["seed"]) == models.LOOKUP_RUNS[name]
+    assert record["name"] == name and record["steps"] == lookups.STEPS
+    assert record["torch"].startswith("2.") and record["cpu_seconds"] > 0
+    assert len(record["log"]["loss"]) == lookups.STEPS
+    assert (LOOKUP_FOLDER / f"{name}.pt").stat().st_size < 100_000
+
+
+@pytest.mark.parametrize("name", LOOKUP_COMMITTED)
+def test_retraining_a_lookup_runs_first_steps_reproduces_its_log(name):
+    run = lookups.load_run(name, LOOKUP_FOLDER)
+    _, log = lookups.train(run.num_heads, run.seed, steps=LOOKUP_RETRAINED_STEPS)
+    worst = max(abs(a - b) for a, b in zip(log, run.log["loss"]))
+    assert len(log) == LOOKUP_RETRAINED_STEPS and worst <= TOLERANCE, worst
+
+
+@pytest.mark.parametrize("name", LOOKUP_COMMITTED)
+def test_a_lookup_runs_weights_give_its_evaluation_loss(name):
+    run = lookups.load_run(name, LOOKUP_FOLDER)
+    assert abs(lookups.evaluation_loss(run.model) - run.log["eval_loss"]) <= TOLERANCE

@@ -1,16 +1,18 @@
-"""`make models`: train the runs that the chapters "The Transformer block", "Induction heads"
-and "A language model on real text" load, and write them.
+"""`make models`: train the runs that the chapters "Multi-head attention", "The Transformer
+block", "Induction heads" and "A language model on real text" load, and write them.
 
-    python tools/models.py            every run of BLOCK_RUNS, RUNS, LM_RUNS and LM_ANALYSES
+    python tools/models.py            every run of LOOKUP_RUNS, BLOCK_RUNS, RUNS, LM_RUNS and
+                                      LM_ANALYSES
     python tools/models.py NAME ...   only these
 
 Each run is `train(config, seed)` of code/induction.py (RUNS) or code/lm.py (LM_RUNS), or, for
-chapter "The Transformer block" (BLOCK_RUNS), `train_reversal(config, seed)` or
+chapter "Multi-head attention" (LOOKUP_RUNS), `train(num_heads, seed)` of code/lookups.py, or,
+for chapter "The Transformer block" (BLOCK_RUNS), `train_reversal(config, seed)` or
 `measure_gradients(config)` of code/transformer.py, one after another on one thread, in
 float64; an analysis of LM_ANALYSES measures, from the committed weights of a run of LM_RUNS
 (not retrained), its predictions on the held-out text and what silencing each head and each
-layer costs there (`analyse` of code/lm.py). Each is written to models/induction/, models/lm/ or
-models/block/ as `<name>.pt` (the state_dict; for a measurement its numbers as tensors) and
+layer costs there (`analyse` of code/lm.py). Each is written to models/induction/, models/lm/,
+models/lookups/ or models/block/ as `<name>.pt` (the state_dict; for a measurement its numbers as tensors) and
 `<name>.json` (its config, seed and log, the torch version and the .pt's SHA-256), which are
 committed: the chapters load them instead of training in their cells (README says why), and
 tests/test_models.py checks them against the book's code. The CPU seconds of each run and of
@@ -30,6 +32,7 @@ sys.path.insert(0, str(ROOT / "code"))
 import torch  # noqa: E402
 
 import lm  # noqa: E402
+import lookups  # noqa: E402
 import transformer  # noqa: E402
 from induction import MODELS, Config, phase_change_step, phase_threshold, save_run, train  # noqa: E402
 
@@ -67,7 +70,11 @@ BLOCK_RUNS = {
        for s in range(3)},
     "gradients-at-init": (transformer.GradientConfig(), None),
 }
-ALL_RUNS = [*BLOCK_RUNS, *RUNS, *LM_RUNS, *LM_ANALYSES]  # analyses after the runs they read
+# name -> (heads, seed): chapter 6's two-lookup task, four seeds with two heads of width 16 and
+# the same four seeds with one head of width 32
+LOOKUP_FOLDER = ROOT / lookups.MODELS
+LOOKUP_RUNS = {f"heads{h}-seed{s}": (h, s) for h in (2, 1) for s in range(4)}
+ALL_RUNS = [*LOOKUP_RUNS, *BLOCK_RUNS, *RUNS, *LM_RUNS, *LM_ANALYSES]  # analyses after the runs they read
 
 
 def main(argv=None) -> None:
@@ -89,6 +96,9 @@ def main(argv=None) -> None:
         if name in BLOCK_RUNS:
             run_block_experiment(name)
             continue
+        if name in LOOKUP_RUNS:
+            train_lookups(name)
+            continue
         config, seed = RUNS[name]
         start = time.process_time()
         model, log = train(config, seed)
@@ -105,7 +115,22 @@ def folder_of(name: str) -> pathlib.Path:
     """Where the run ``name`` is written."""
     if name in LM_RUNS or name in LM_ANALYSES:
         return LM_FOLDER
+    if name in LOOKUP_RUNS:
+        return LOOKUP_FOLDER
     return BLOCK_FOLDER if name in BLOCK_RUNS else FOLDER
+
+
+def train_lookups(name: str) -> None:
+    """Chapter 6's run ``name``: one model of the two-lookup task trained."""
+    num_heads, seed = LOOKUP_RUNS[name]
+    start = time.process_time()
+    model, losses = lookups.train(num_heads, seed)
+    seconds = round(time.process_time() - start, 1)
+    log = {"loss": losses, "eval_loss": lookups.evaluation_loss(model)}
+    lookups.save_run(LOOKUP_FOLDER, name, num_heads, seed, lookups.STEPS, model, log,
+                     cpu_seconds=seconds)
+    print(f"{name}: {seconds:.1f} s of CPU, mean loss of the last 10 steps "
+          f"{sum(losses[-10:]) / 10:.4f}, evaluation loss {log['eval_loss']:.4f}", flush=True)
 
 
 def run_block_experiment(name: str) -> None:
