@@ -42,6 +42,9 @@ message says so.
 
 **Arguments are compared after the call**: each check has a case, "arguments left unchanged",
 that fails an answer which modifies a tensor it was given (`masked_fill_` on the scores, say).
+It fails for that reason only: a wrong value costs the value's own case, not this one, unless
+the answer returns nothing but constants or its own arguments (which would leave them
+unchanged by doing nothing).
 
 Expected values come from loops, from the module where the exercise is not the module's
 function, or from PyTorch: a check shows what is compared, never how to write the answer.
@@ -476,6 +479,23 @@ def _tensors(obj) -> list[tuple[str, torch.Tensor]]:
     return []
 
 
+def _trivial(out, given: list[torch.Tensor]) -> bool:
+    """Is ``out`` nothing computed: no tensor in it but constants (every element equal, or a
+    lone 0 or 1) and copies of the arguments ``given``, and no float but 0 and 1?"""
+    leaves = [t for _, t in _tensors(out)]
+    floats = [x for x in (out if isinstance(out, (tuple, list)) else [out])
+              if isinstance(x, float)]
+
+    def constant(t: torch.Tensor) -> bool:
+        t = t.detach()
+        if t.numel() <= 1:
+            return t.numel() == 0 or t.item() in (0, 1)
+        return bool((t == t.flatten()[0]).all())
+
+    return (all(constant(t) or any(_same(t, g) for g in given) for t in leaves)
+            and all(x in (0.0, 1.0) for x in floats))
+
+
 def _cloned(obj):
     """obj with every tensor in nested tuples, lists and dicts cloned."""
     if isinstance(obj, torch.Tensor):
@@ -561,6 +581,7 @@ class Answer:
         self.not_written = False
         self.work: list[int] = []  # operators, calls and own lines run by each call
         self.line_hits: list[int] = []  # the most times one line of its own ran, by call
+        self.trivial: list[bool] = []  # by call: did it return only constants or its arguments
 
     def _named(self, args, kwargs) -> list[tuple[str, torch.Tensor]]:
         """(name, tensor) for every tensor argument: `scores`, or `caches[0]` in a list."""
@@ -616,6 +637,7 @@ class Answer:
         for (name, tensor), old in zip(given, before):
             if not _same(tensor, old):
                 self.mutated.append(f"argument `{name}` (shape {tuple(old.shape)})")
+        self.trivial.append(_trivial(out, before))
         if not self.keep_dtype:
             dtypes = [t.dtype for _, t in given if t.is_floating_point()]
             if dtypes:
@@ -628,8 +650,8 @@ class Check:
     runs one, as a graded test cell does.
 
     `rules`: what the exercise rules out (Rule). `unchanged`: the title of the case whose inputs
-    the case "arguments left unchanged" reruns, requiring its values right and every tensor
-    argument unchanged. `inspect(*answers)`: forbidden work that no rule names (a loop, say),
+    the case "arguments left unchanged" reruns, requiring every tensor argument unchanged and a
+    result computed (right, or at least more than constants and the arguments themselves). `inspect(*answers)`: forbidden work that no rule names (a loop, say),
     found by running the Answer objects; returns the message, or None. `prepare()`: run once
     before the first answer."""
 
@@ -659,15 +681,57 @@ class Check:
         return register
 
     def _unchanged_case(self, *answer):
-        """The cases named `unchanged`, whose values must be right (an answer that does nothing
-        earns nothing here), and then no tensor argument of any call modified."""
+        """The cases named `unchanged` run again, and no tensor argument of any call modified.
+        A wrong value there is the other case's mistake, not this one's, as long as the answer
+        computes something and is right somewhere: an answer that returns only constants or its
+        own arguments (which leaves them unchanged by doing nothing), or that passes no other
+        case, earns nothing here."""
+        wrong, right = None, False
         for title in self._unchanged:
-            self.cases[title][0](*answer)
+            try:
+                self.cases[title][0](*answer)
+                right = True
+            except AssertionError as err:
+                wrong = wrong or _text(err)
+        if wrong is not None:
+            name = answer[0].__name__
+            calls = [trivial for fn in answer for trivial in fn.trivial]  # those that returned
+            for title in self.cases:
+                if title != UNCHANGED and title not in self._unchanged and not right:
+                    right = self._passes(title, answer, calls)
+            if not right:
+                raise AssertionError(
+                    f"{name} passes no other case, so this one cannot tell a result computed "
+                    f"without touching the arguments from a broken one ({wrong})")
+            if calls and all(calls):
+                raise AssertionError(
+                    f"{name} returns only constants or its own arguments, so nothing shows "
+                    f"that it computes a result and leaves its arguments alone ({wrong})")
         for fn in answer:
             if fn.mutated:
                 raise AssertionError(
                     f"{fn.__name__} modified its {fn.mutated[0]} in place; leave the caller's "
                     "tensors unchanged (masked_fill, not masked_fill_; x = x - m, not x -= m)")
+
+    def _passes(self, title: str, answer: tuple, calls: list) -> bool:
+        """Does the case ``title`` pass on the answer's functions? (For the unchanged case:
+        the arguments it modifies there count as modified, and whether each call returned
+        anything computed is added to ``calls``.)"""
+        function, _, keeps = self.cases[title]
+        answers = tuple(Answer(fn.fn, self.rules, keeps) for fn in answer)
+        try:
+            function(*answers)
+            passed = True
+        except (NotWritten, ForbiddenWork):
+            raise
+        except KeyboardInterrupt:
+            raise
+        except BaseException:  # noqa: BLE001 (a failed case, whatever it raised)
+            passed = False
+        for fn, again in zip(answer, answers):
+            fn.mutated += again.mutated
+            calls += again.trivial
+        return passed
 
     @property
     def points(self) -> int:
