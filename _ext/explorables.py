@@ -9,10 +9,12 @@ still image. Three things here make those blocks live, offline:
   block (outside the book it returns the Altair chart for Jupyter to render).
 * The JavaScript of Vega, Vega-Lite and vega-embed, bundled into one file by the pinned
   vl-convert-python (``javascript_bundle``), is written to ``_static/vega/vega-bundle.js``
-  once per build, and added (deferred) to the pages that have an explorable figure, and only
-  to those. Its Vega-Lite version is the one the pinned Altair writes specifications for.
+  once per build. The pages that have an explorable figure, and only those, name it in a
+  ``<meta name="explorable-bundle">`` tag, from which ``_static/explorable.js`` loads it when
+  a figure first comes near the screen (297 KB gzip: a reader who never reaches a figure does
+  not load it). Its Vega-Lite version is the one the pinned Altair writes specifications for.
 * ``_static/explorable.js`` (on every page, as Jupyter Book adds everything in ``_static``)
-  draws each block with vega-embed once the page has loaded, in the page's theme.
+  draws each block with vega-embed once the bundle has loaded, in the page's theme.
 
 Registered in _config.yml under ``sphinx: local_extensions``.
 """
@@ -52,9 +54,11 @@ def bundle_text() -> str:
 
 
 def add_bundle(app: Sphinx, pagename, templatename, context, doctree) -> None:
-    """Load the Vega bundle on the pages that have an explorable figure."""
+    """Name the Vega bundle on the pages that have an explorable figure."""
     if 'class="explorable"' in context.get("body", ""):
-        app.add_js_file(BUNDLE, loading_method="defer")
+        address = context["pathto"](f"_static/{BUNDLE}", 1)
+        context["metatags"] = (context.get("metatags", "")
+                               + f'\n<meta name="explorable-bundle" content="{address}" />')
 
 
 def write_bundle(app: Sphinx, exception: Exception | None) -> None:

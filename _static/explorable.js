@@ -64,10 +64,33 @@
     drawAll();
   };
 
-  window.addEventListener("DOMContentLoaded", () => {
-    if (!document.querySelector("div.explorable")) return;
+  const start = () => {
     redrawOnThemeChange();
     new MutationObserver(redrawOnThemeChange).observe(document.documentElement,
       { attributes: true, attributeFilter: ["data-theme"] });
+  };
+
+  const loadBundle = () => {
+    const meta = document.querySelector('meta[name="explorable-bundle"]');
+    if (!meta) {
+      console.error("explorable figures: the page names no Vega bundle");
+      return;
+    }
+    const script = document.createElement("script");
+    script.src = meta.content;
+    script.onload = start;
+    script.onerror = () => console.error("explorable figures: the Vega bundle did not load");
+    document.head.appendChild(script);
+  };
+
+  window.addEventListener("DOMContentLoaded", () => {
+    const blocks = document.querySelectorAll("div.explorable");
+    if (!blocks.length) return;
+    const near = new IntersectionObserver((entries) => {
+      if (!entries.some((entry) => entry.isIntersecting)) return;
+      near.disconnect();
+      loadBundle();
+    }, { rootMargin: "800px 0px" });
+    blocks.forEach((block) => near.observe(block));
   });
 })();

@@ -290,8 +290,11 @@ STEP_KEYS = {"range": ["ArrowRight", "ArrowLeft"], "select-one": ["ArrowDown", "
 
 
 def wait_until_drawn(page) -> None:
-    """Wait (up to 20 s) until every explorable figure of the page is drawn; a figure that is
-    not is reported by the caller, per figure."""
+    """Scroll to every explorable figure of the page, as a reader does (the Vega bundle loads
+    when a figure comes near the screen), then wait (up to 20 s) until each is drawn; a figure
+    that is not is reported by the caller, per figure."""
+    page.evaluate("() => document.querySelectorAll('div.explorable')"
+                  ".forEach(d => d.scrollIntoView({block: 'center'}))")
     try:
         page.wait_for_function(ALL_DRAWN_JS, timeout=20_000)
     except Exception:  # playwright's TimeoutError
@@ -420,6 +423,34 @@ def keyboard_check(page) -> dict:
     return {"toggles": len(toggles), "unreachable": unreachable, "problems": problems}
 
 
+# What the page loaded: its own address and every resource's, once MathJax has typeset it.
+LOADED_JS = "() => [location.href, ...performance.getEntriesByType('resource').map(e => e.name)]"
+PAGE_BUDGET = 600 * 1024  # gzip bytes of a chapter page and everything it loads, fonts aside
+FONTS = (".woff", ".woff2", ".ttf")
+
+
+@functools.lru_cache(maxsize=None)
+def gzip_size(path: pathlib.Path) -> int:
+    """The bytes of the file as a server sends it compressed (gzip at its default level 6)."""
+    import gzip
+    return len(gzip.compress(path.read_bytes(), compresslevel=6))
+
+
+def page_weight(html_dir: pathlib.Path, urls: list[str]) -> tuple[int, int, list]:
+    """(gzip bytes of everything but fonts, gzip bytes of fonts, the five largest files) of
+    the site's files behind ``urls``, each file counted once."""
+    files = set()
+    for url in urls:
+        path = html_dir / urllib.parse.unquote(urllib.parse.urlparse(url).path.lstrip("/"))
+        if path.is_file():
+            files.add(path)
+    sizes = {path: gzip_size(path) for path in files}
+    rest = {path: size for path, size in sizes.items() if path.suffix not in FONTS}
+    largest = sorted(((size, path.relative_to(html_dir).as_posix())
+                      for path, size in rest.items()), reverse=True)[:5]
+    return sum(rest.values()), sum(sizes.values()) - sum(rest.values()), largest
+
+
 def visit(page, url: str, path: str, external: list, html_dir: pathlib.Path, axe_script: str) -> dict:
     """Open one page and record everything the tests check."""
     report = collections.defaultdict(list)
@@ -437,6 +468,7 @@ def visit(page, url: str, path: str, external: list, html_dir: pathlib.Path, axe
         page.wait_for_url(url[: -len(path)] + target, timeout=10_000)
         return {**report, "redirect": target, "seconds": time.perf_counter() - started}
     report["mathjax_ran"] = sb.open_page(page, url)
+    report["loaded"] = page.evaluate(LOADED_JS)  # before anything scrolls or opens
     report["math"] = page.evaluate(MATH_JS)
     report["broken_images"] = page.evaluate(IMAGES_JS)
     report["keyboard"] = keyboard_check(page)
@@ -585,6 +617,25 @@ def test_math_is_typeset_offline_without_errors(site):
     found = failures(reports, check)
     assert not found, "math problems:\n" + format_failures(found)
     assert any(r.get("math", {}).get("containers") for r in reports.values()), "no page typeset any math"
+
+
+def test_a_chapter_page_loads_at_most_600_kb(site):
+    """Every chapter page, with the HTML, scripts, styles and images it loads, weighs at most
+    600 KB gzip (fonts are counted apart: the theme's icon font and MathJax's, which the browser
+    caches after the first page). The theme's Font Awesome script and the search index are not
+    loaded (_ext/html_fixes.py); the Vega bundle is loaded only when a figure comes near the
+    screen (_static/explorable.js), not with the page."""
+    html_dir, reports = site
+    weights = {page: page_weight(html_dir, report["loaded"])
+               for page, report in reports.items() if page in core_path.chapter_pages(html_dir)}
+    assert len(weights) >= 13, sorted(weights)
+    heavy = {page: f"{rest / 1024:.0f} KB gzip (fonts {fonts / 1024:.0f} KB apart); largest: "
+             + ", ".join(f"{name} {size / 1024:.0f} KB" for size, name in largest)
+             for page, (rest, fonts, largest) in weights.items() if rest > PAGE_BUDGET}
+    assert not heavy, "pages over 600 KB:\n" + "\n".join(f"{p}: {w}" for p, w in heavy.items())
+    loaded = {name for report in reports.values() for name in report.get("loaded", [])}
+    assert not [u for u in loaded if "fontawesome.js" in u or "vega-bundle" in u], (
+        "a page loads Font Awesome's script, or the Vega bundle before any figure is near")
 
 
 def test_every_image_loads(site):
@@ -874,8 +925,11 @@ def test_at_least_six_explorable_figures_each_in_a_numbered_figure(build):
             figure = re.search(rf'<figure[^>]*id="{label}".*?</figure>', text, re.S)
             assert figure and fig in figure.group(0), f"{page}: {fig} is not inside figure {label}"
             assert "<figcaption" in figure.group(0), f"{page}: {label} has no caption"
-        # The Vega libraries come from the site, once per page however many figures it has.
-        assert len(re.findall(r'<script[^>]*src="[./]*_static/vega/vega-bundle\.js', text)) == 1, page
+        # The Vega libraries come from the site, named once per page however many figures it
+        # has, and loaded by _static/explorable.js when a figure comes near the screen.
+        assert len(re.findall(r'<meta name="explorable-bundle" content="[./]*_static/vega/'
+                              r'vega-bundle\.js"', text)) == 1, page
+        assert "<script" not in "".join(re.findall(r"<script[^>]*vega-bundle[^>]*>", text)), page
     figures = [fig for ids in found.values() for fig in ids]
     assert len(figures) >= 6, found
     assert len(set(figures)) == len(figures), found
