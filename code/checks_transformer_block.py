@@ -187,3 +187,180 @@ def _(fn):
         size = float(torch.rand((), generator=g)) * 5 + 0.1
         _compare(fn, f"x of shape {shape}", *_inputs(int(torch.randint(100, (), generator=g)),
                                                      shape, size=size, offset=size))
+
+
+# pre_ln_block(x, block, *, attn_mask=None, is_causal=False) and post_ln_block(...) -> (B, T, D):
+# the block's two orders written from its parts
+
+
+def _block_rules() -> list[Rule]:
+    """The whole block, however reached: the module's TransformerBlock (its forward, its
+    _attention and _mlp), DecoderLM, and PyTorch's Transformer layers and their fused kernel."""
+    def objects():
+        from torch import nn
+        return [nn.TransformerEncoderLayer, nn.TransformerDecoderLayer, nn.TransformerEncoder,
+                nn.TransformerDecoder, nn.Transformer]
+    return [Rule("PyTorch's Transformer layers (nn.TransformerEncoderLayer, nn.Transformer, ...)",
+                 aten=("_transformer_encoder",), python=objects),
+            *module_rules("TransformerBlock", "DecoderLM", module="transformer")]
+
+
+def _warm_up() -> None:
+    """The block's forward and backward once, masked and causal, before any recording: their
+    first call imports and sets up what later calls reuse."""
+    for norm_first in (True, False):
+        block = _book_block(0, 8, 2, 16, norm_first).train()
+        x = _x(0, 2, 3, 8)
+        block(x, is_causal=True).sum().backward()
+        with torch.no_grad():
+            block.eval()(x, attn_mask=_padding(2, 3, [3, 2]))
+
+
+check_block = Check("check_block", rules=_block_rules(),
+                    unchanged=("pre-LN, a padding mask", "post-LN, a padding mask"),
+                    prepare=lambda: _warm_up())
+
+
+def _book_block(seed: int, d_model: int, num_heads: int, d_ff: int, norm_first: bool,
+                activation: str = "gelu"):
+    """A TransformerBlock with weights drawn from ``seed`` (biases and norms away from their
+    initial 0 and 1, so that each is seen), in eval mode, float32."""
+    from transformer import TransformerBlock
+    torch.manual_seed(seed)
+    block = TransformerBlock(d_model, num_heads, d_ff, norm_first=norm_first,
+                             activation=activation)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=g))
+    return block.eval()
+
+
+def _x(seed: int, B: int, T: int, D: int) -> torch.Tensor:
+    return torch.randn(B, T, D, generator=torch.Generator().manual_seed(seed))
+
+
+def _run(fn, where, x, block, **mask):
+    out = fn(x, block, **mask)
+    tensor_like(out, x.shape, where)
+    return out
+
+
+def _compare_block(fn, where, x, block, **mask):
+    """The answer against the block itself; if they differ, the mistake it reproduces."""
+    order = "pre-LN" if block.norm_first else "post-LN"
+    got = _run(fn, where, x, block, **mask)
+    with torch.no_grad():
+        want = block(x, **mask)
+    if torch.allclose(got.detach(), want, rtol=1e-4, atol=1e-4):
+        return
+    other = _other_order(block)
+    with torch.no_grad():
+        swapped = other(x, **mask)
+    if torch.allclose(got.detach(), swapped, rtol=1e-4, atol=1e-4):
+        raise AssertionError(f"{where}: this is the {'post' if block.norm_first else 'pre'}-LN "
+                             f"order; the {order} block "
+                             + ("normalises each sub-layer's input and adds its output to x"
+                                if block.norm_first else
+                                "adds each sub-layer's output to x, then normalises the sum"))
+    if mask:
+        with torch.no_grad():
+            unmasked = block(x)
+        if torch.allclose(got.detach(), unmasked, rtol=1e-4, atol=1e-4):
+            raise AssertionError(f"{where}: the mask is ignored: pass attn_mask and is_causal "
+                                 "on to block.self_attn")
+    err = float((got.detach() - want).abs().max())
+    raise AssertionError(f"{where}: differs from the {order} block by up to {err:.3g}")
+
+
+def _other_order(block):
+    """A copy of ``block`` with the other order of norms and residuals."""
+    import copy
+    other = copy.deepcopy(block)
+    other.norm_first = not block.norm_first
+    return other
+
+
+def _padding(B: int, T: int, lengths) -> torch.Tensor:
+    """(B, 1, 1, T): True where the key is a real token of its sequence."""
+    return (torch.arange(T)[None, :] < torch.tensor(lengths)[:, None])[:, None, None, :]
+
+
+@check_block.case("shapes")
+def _(pre, post):
+    for fn, norm_first in ((pre, True), (post, False)):
+        for B, T, D, H in ((2, 5, 8, 2), (1, 3, 12, 3)):
+            block = _book_block(1, D, H, 2 * D, norm_first)
+            _run(fn, f"{fn.__name__}, x of shape {(B, T, D)}", _x(1, B, T, D), block)
+
+
+@check_block.case("pre-LN, no mask")
+def _(pre, post):
+    _compare_block(pre, "pre_ln_block, x (2, 6, 16), H = 4", _x(2, 2, 6, 16),
+                   _book_block(2, 16, 4, 32, True))
+
+
+@check_block.case("pre-LN, causal")
+def _(pre, post):
+    _compare_block(pre, "pre_ln_block, is_causal=True", _x(3, 2, 7, 16),
+                   _book_block(3, 16, 2, 24, True), is_causal=True)
+
+
+@check_block.case("pre-LN, a padding mask")
+def _(pre, post):
+    _compare_block(pre, "pre_ln_block, attn_mask (3, 1, 1, 6), lengths 6, 4, 2", _x(4, 3, 6, 8),
+                   _book_block(4, 8, 2, 16, True), attn_mask=_padding(3, 6, [6, 4, 2]))
+
+
+@check_block.case("post-LN, no mask")
+def _(pre, post):
+    _compare_block(post, "post_ln_block, x (2, 6, 16), H = 4", _x(5, 2, 6, 16),
+                   _book_block(5, 16, 4, 32, False))
+
+
+@check_block.case("post-LN, a padding mask")
+def _(pre, post):
+    _compare_block(post, "post_ln_block, attn_mask (2, 1, 1, 5), lengths 3, 5", _x(6, 2, 5, 8),
+                   _book_block(6, 8, 2, 16, False), attn_mask=_padding(2, 5, [3, 5]))
+
+
+@check_block.case("post-LN, causal")
+def _(pre, post):
+    _compare_block(post, "post_ln_block, is_causal=True", _x(7, 1, 9, 12),
+                   _book_block(7, 12, 3, 20, False), is_causal=True)
+
+
+@check_block.case("train mode: the gradients reach the block's own weights")
+def _(pre, post):
+    for fn, norm_first in ((pre, True), (post, False)):
+        block = _book_block(8, 8, 2, 16, norm_first).train()  # dropout 0: the same output
+        x = _x(8, 2, 4, 8)
+        where = f"{fn.__name__} in train mode"
+        _compare_block(fn, where, x, block, is_causal=True)
+        block.zero_grad()
+        _run(fn, where, x, block, is_causal=True).pow(2).sum().backward()
+        got = {name: p.grad for name, p in block.named_parameters()}
+        reference = _book_block(8, 8, 2, 16, norm_first).train()
+        reference(x, is_causal=True).pow(2).sum().backward()
+        for name, p in reference.named_parameters():
+            assert got[name] is not None, (
+                f"{where}: no gradient reaches block.{name}: compute with the block's own "
+                "parameters (no copies, no torch.no_grad, no .detach())")
+            assert torch.allclose(got[name], p.grad, rtol=1e-3, atol=1e-4), (
+                f"{where}: the gradient of block.{name} differs from the block's by up to "
+                f"{float((got[name] - p.grad).abs().max()):.3g}")
+
+
+@check_block.case("sizes and activations drawn at random")
+def _(pre, post):
+    g = torch.Generator().manual_seed(10)
+    for _ in range(3):
+        H = int(torch.randint(1, 4, (), generator=g))
+        D = H * int(torch.randint(2, 6, (), generator=g))
+        B, T = (int(n) for n in torch.randint(1, 5, (2,), generator=g))
+        activation = ("relu", "gelu")[int(torch.randint(2, (), generator=g))]
+        for fn, norm_first in ((pre, True), (post, False)):
+            block = _book_block(int(torch.randint(100, (), generator=g)), D, H, 3 * D,
+                                norm_first, activation)
+            _compare_block(fn, f"{fn.__name__}, x {(B, T, D)}, H = {H}, {activation}",
+                           _x(11, B, T, D), block, is_causal=bool(torch.randint(2, (), generator=g)))

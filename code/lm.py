@@ -11,8 +11,9 @@ What is here, in the order the chapter "A language model on real text" uses it:
 - ``unigram_loss`` and ``bigram_loss``: the baselines, models made of counts;
 - ``Config``, ``build`` and ``train(config, seed)``: the model and its training, which returns
   the model and its log; ``evaluate``, the mean loss over a text cut into windows;
-- ``generate``: sampling one character at a time, with or without chapter "Inference"'s
-  key-value cache;
+- ``sample``: one token drawn from logits, with a temperature, top-k and top-p (nucleus)
+  truncation (``truncated``: the logits it draws from); ``generate``: sampling one character at a time that way, with or without
+  chapter "Inference"'s key-value cache;
 - ``attention_weights``, ``score_on`` with the keys it scores (``back_keys``, ``last_keys``,
   ``word_start_keys``, all four by name in ``text_keys``), ``repeated_text``,
   ``head_scores`` and ``ablate``: what the heads do; ``ablation_groups`` and
@@ -56,6 +57,8 @@ __all__ = [
     "windows",
     "evaluate",
     "train",
+    "truncated",
+    "sample",
     "generate",
     "attention_weights",
     "score_on",
@@ -314,12 +317,70 @@ def train(config: Config, seed: int, text: Optional[str] = None, *,
 # Sampling
 
 
+def _check_sampling(logits, temperature, top_k, top_p) -> None:
+    if not isinstance(logits, Tensor) or logits.dim() < 1 or not logits.is_floating_point():
+        raise ValueError("logits must be a floating tensor (..., V), got "
+                         + (f"{tuple(logits.shape)} {logits.dtype}" if isinstance(logits, Tensor)
+                            else repr(logits)))
+    if not temperature >= 0:  # also refuses NaN
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k must be an int >= 1 or None, got {top_k!r}")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1] or None, got {top_p!r}")
+
+
+def truncated(logits: Tensor, *, temperature: float = 1.0, top_k: Optional[int] = None,
+              top_p: Optional[float] = None) -> Tensor:
+    """The logits ``(..., V)`` that ``sample`` draws from, for ``temperature > 0``: divided by
+    ``temperature``, with every token that ``top_k`` and ``top_p`` drop at -inf (see
+    ``sample``)."""
+    _check_sampling(logits, temperature, top_k, top_p)
+    if temperature == 0:
+        raise ValueError("temperature 0 draws nothing: it takes the most likely token")
+    z = (logits / temperature).reshape(-1, logits.shape[-1])  # (N, V)
+    if top_k is not None:
+        kth = torch.topk(z, min(top_k, z.shape[-1]), dim=-1).values[:, -1:]  # (N, 1)
+        z = z.masked_fill(z < kth, float("-inf"))  # ties with the k-th are kept
+    if top_p is not None:  # Hugging Face's rule: drop the least likely while their mass <= 1 - p
+        ascending, order = torch.sort(z, dim=-1, stable=True)  # equal logits: by index
+        drop = torch.softmax(ascending, dim=-1).cumsum(dim=-1) <= 1 - top_p
+        drop[:, -1] = False  # never the most likely: never fewer than one
+        z = z.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    return z.reshape(logits.shape)
+
+
+def sample(logits: Tensor, *, temperature: float = 1.0, top_k: Optional[int] = None,
+           top_p: Optional[float] = None,
+           generator: Optional[torch.Generator] = None) -> Tensor:
+    """One token drawn from each row of ``logits`` ``(..., V)``: a tensor of token ids of shape
+    ``logits.shape[:-1]``.
+
+    In the order of Hugging Face's and nanoGPT's samplers: the logits are divided by
+    ``temperature`` (0: the most likely token, the first of equal ones, nothing drawn); ``top_k``
+    keeps the ``top_k`` largest logits and every logit equal to the k-th (ties are kept);
+    ``top_p`` then keeps the smallest set of the most likely tokens whose probability reaches
+    ``top_p`` (never fewer than one), by Hugging Face's rule: the least likely tokens go while
+    their total probability is at most ``1 - top_p`` (of equal logits, the one with the lower
+    index goes first); the token is drawn from the softmax of what is kept (``truncated``).
+    A negative ``temperature``, ``top_k < 1`` or ``top_p`` outside (0, 1] raises ValueError
+    naming the value."""
+    _check_sampling(logits, temperature, top_k, top_p)
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    z = truncated(logits, temperature=temperature, top_k=top_k, top_p=top_p)
+    probs = torch.softmax(z.reshape(-1, logits.shape[-1]), dim=-1)  # (N, V)
+    tokens = torch.multinomial(probs, 1, generator=generator)  # (N, 1)
+    return tokens.reshape(logits.shape[:-1])
+
+
 def generate(model: DecoderLM, prompt: Tensor, n: int, *, temperature: float = 1.0,
+             top_k: Optional[int] = None, top_p: Optional[float] = None,
              generator: Optional[torch.Generator] = None, cache: bool = True) -> Tensor:
     """``n`` characters ``(n,)`` sampled one at a time after ``prompt`` ``(T0,)``.
 
-    Each is drawn from softmax(logits / temperature) of the last position (``temperature =
-    0``: the most likely character). The model reads a window of the text so far that starts
+    Each is drawn by ``sample`` from the logits of the last position, with ``temperature``,
+    ``top_k`` and ``top_p`` (``temperature = 0``: the most likely character). The model reads a window of the text so far that starts
     at position 0 of its learned positions: it grows one character per step, and when it
     would outgrow the context it restarts from the last ``context // 2`` characters. With ``cache`` each block keeps the window's keys and values in a
     ``KVCache``, so a step reads one new character, and a restart reads the kept ones again;
@@ -327,7 +388,8 @@ def generate(model: DecoderLM, prompt: Tensor, n: int, *, temperature: float = 1
     if not isinstance(prompt, Tensor) or prompt.dim() != 1 or len(prompt) < 1:
         raise ValueError(f"prompt must be a non-empty (T0,) tensor of tokens, got "
                          f"{tuple(prompt.shape) if isinstance(prompt, Tensor) else prompt!r}")
-    if temperature < 0:
+    sample(torch.zeros(1), temperature=0, top_k=top_k, top_p=top_p)  # the settings checked
+    if not temperature >= 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     seen = prompt.tolist()
     start = max(0, len(seen) - model.max_len)
@@ -340,11 +402,8 @@ def generate(model: DecoderLM, prompt: Tensor, n: int, *, temperature: float = 1
         caches = model.new_caches() if cache else None
         logits = read(seen[start:], caches)
         for _ in range(n):
-            if temperature == 0:
-                token = int(logits.argmax())
-            else:
-                probs = torch.softmax(logits / temperature, dim=-1)
-                token = int(torch.multinomial(probs, 1, generator=generator)[0])
+            token = int(sample(logits, temperature=temperature, top_k=top_k, top_p=top_p,
+                               generator=generator))
             seen.append(token)
             if len(seen) == len(prompt) + n:
                 break

@@ -52,7 +52,8 @@ import lm
 import position
 from chapter_structure import read_source
 from classroom import numbered_chapters
-from test_exercises import (C1, C2, C2b, C3, C4, C5, C5b, C6, C7, C8, C9, C10, C11, C12, C13,
+from test_exercises import (C1, C2, C2b, C3, C4, C5, C5b, C6, C7, C8, C9, C10, C11, C11b, C12,
+                            C13,
                             CG,
                             CHECK_NAMES,
                             REFERENCES, graded_points, load_check, reference_functions)
@@ -591,6 +592,33 @@ for _name, _fn in captured(F.layer_norm, "F.layer_norm itself").items():
         layer_norm=_ln_by((lambda f: lambda rows, eps: f(rows, rows.shape[-1:], eps=eps))(_fn)))
 
 
+# Chapter 11, the block: its own forward and MLP under other names (class 1), and its forward
+# held before the check ran (class 2).
+import transformer  # noqa: E402
+
+
+def _block_by(forward):
+    """pre_ln_block as forward(block, x, attn_mask=..., is_causal=...)."""
+    def pre_ln_block(x, block, *, attn_mask=None, is_causal=False):
+        return forward(block, x, attn_mask=attn_mask, is_causal=is_causal)
+    return pre_ln_block
+
+
+def _block_with_its_mlp(x, block, *, attn_mask=None, is_causal=False):
+    h = block.norm1(x)
+    u = x + block.self_attn(h, h, h, attn_mask=attn_mask, is_causal=is_causal)[0]
+    return u + block._mlp(block.norm2(u))  # the block's own MLP method
+
+
+add(C11b, 1, "the block's forward through its class", NOTHING, FORBIDDEN,
+    pre_ln_block=_block_by(lambda block, x, **mask: type(block).forward(block, x, **mask)))
+add(C11b, 1, "the block's _mlp method for the MLP", NOTHING, FORBIDDEN,
+    pre_ln_block=_block_with_its_mlp)
+for _name, _fn in captured(transformer.TransformerBlock.forward,
+                           "TransformerBlock.forward").items():
+    add(C11b, 2, _name, NOTHING, FORBIDDEN, pre_ln_block=_block_by(_fn))
+
+
 # Chapter 12, the induction score: the module's function and its mask of copyable positions,
 # reached by other routes, pasted in, and captured before the check ran.
 def _by_copyable(copyable):
@@ -675,13 +703,28 @@ def mutating(fn, which):
     return answer
 
 
+def _widened(module: torch.nn.Module) -> torch.nn.Module:
+    """A copy of module whose parameters are float64 tensors computed from the original's, so
+    that gradients still reach the original's parameters."""
+    import copy
+    wide = copy.deepcopy(module)
+    for name, original in module.named_parameters():
+        *path, leaf = name.split(".")
+        owner = functools.reduce(getattr, path, wide)
+        del owner._parameters[leaf]
+        setattr(owner, leaf, original.double())
+    return wide
+
+
 def in_float64(fn, cast_back):
-    """fn computed in float64; its floating results cast back to the input's dtype or not."""
+    """fn computed in float64; its floating results cast back to the input's dtype or not. A
+    module argument (chapter 11's block) is passed with float64 parameters computed from its
+    own."""
     @functools.wraps(fn)
     def answer(*args, **kwargs):
         floating = [a.dtype for a in _tensors_of(args) if a.is_floating_point()]
-        wide = [a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
-                for a in args]
+        wide = [a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else
+                _widened(a) if isinstance(a, torch.nn.Module) else a for a in args]
         out = fn(*wide, **kwargs)
         if cast_back and floating:
             back = lambda t: t.to(floating[0]) if t.is_floating_point() else t  # noqa: E731

@@ -163,6 +163,9 @@ RULE_OF_CALL = {
     "attention.MultiHeadAttention.merge_heads": "the module's MultiHeadAttention.merge_heads",
     "position.rotary_embedding": "the module's rotary_embedding",
     "transformer.TransformerBlock": "the module's TransformerBlock",
+    "transformer.TransformerBlock.forward": "the module's TransformerBlock",
+    "torch.nn.TransformerEncoderLayer": "PyTorch's Transformer layers",
+    "transformer.DecoderLM": "the module's DecoderLM",
     "induction.induction_score": "the module's induction_score",
     "induction.Batch.copyable": "the module's Batch.copyable",
     "lm.bigram_loss": "the module's bigram_loss",
@@ -1916,6 +1919,130 @@ def ln_einsum(x, gain, shift, eps=1e-5):
     centred = x @ centring
     var = torch.einsum("...d,...d->...", centred, centred)[..., None] / D
     return centred / torch.sqrt(var + eps) * gain + shift
+
+
+# --- chapter 11: check_block(pre_ln_block, post_ln_block) ---------------------------------------
+
+C11b = "check_block"
+
+
+def _mlp(h, block, act=None):
+    act = act or (F.relu if block.activation == "relu" else F.gelu)
+    return block.linear2(act(block.linear1(h)))
+
+
+def _attend(h, block, attn_mask, is_causal):
+    return block.self_attn(h, h, h, attn_mask=attn_mask, is_causal=is_causal)[0]
+
+
+def _pre(x, block, attn_mask=None, is_causal=False, act=None, norm2=None, residual=True):
+    h = block.norm1(x)
+    u = (x if residual else 0) + _attend(h, block, attn_mask, is_causal)
+    return u + _mlp((norm2 or block.norm2)(u), block, act)
+
+
+def _post(x, block, attn_mask=None, is_causal=False):
+    u = block.norm1(x + _attend(x, block, attn_mask, is_causal))
+    return block.norm2(u + _mlp(u, block))
+
+
+@wrong(C11b, "this is the post-LN order", replaces="pre_ln_block")
+def block_pre_in_post_order(x, block, *, attn_mask=None, is_causal=False):
+    return _post(x, block, attn_mask, is_causal)
+
+
+@wrong(C11b, "this is the pre-LN order", replaces="post_ln_block")
+def block_post_in_pre_order(x, block, *, attn_mask=None, is_causal=False):
+    return _pre(x, block, attn_mask, is_causal)
+
+
+@wrong(C11b, "the mask is ignored", replaces="pre_ln_block")
+def block_mask_ignored(x, block, *, attn_mask=None, is_causal=False):
+    return _pre(x, block)
+
+
+@wrong(C11b, "differs from the pre-LN block", replaces="pre_ln_block")
+def block_no_attention_residual(x, block, *, attn_mask=None, is_causal=False):
+    return _pre(x, block, attn_mask, is_causal, residual=False)
+
+
+@wrong(C11b, "differs from the pre-LN block", replaces="pre_ln_block")
+def block_relu_always(x, block, *, attn_mask=None, is_causal=False):
+    return _pre(x, block, attn_mask, is_causal, act=F.relu)
+
+
+@wrong(C11b, "differs from the pre-LN block", replaces="pre_ln_block")
+def block_one_norm_twice(x, block, *, attn_mask=None, is_causal=False):
+    return _pre(x, block, attn_mask, is_causal, norm2=block.norm1)
+
+
+@wrong(C11b, "no gradient reaches block.linear1", replaces="pre_ln_block")
+def block_mlp_detached(x, block, *, attn_mask=None, is_causal=False):
+    h = block.norm1(x)
+    u = x + _attend(h, block, attn_mask, is_causal)
+    hidden = F.linear(block.norm2(u), block.linear1.weight.detach(), block.linear1.bias.detach())
+    act = F.relu if block.activation == "relu" else F.gelu
+    return u + block.linear2(act(hidden))
+
+
+@shortcut(C11b, "transformer.TransformerBlock.forward", replaces="pre_ln_block")
+def block_its_own_forward(x, block, *, attn_mask=None, is_causal=False):
+    return block(x, attn_mask=attn_mask, is_causal=is_causal)
+
+
+@shortcut(C11b, "torch.nn.TransformerEncoderLayer", replaces="post_ln_block")
+def block_as_torch_layer(x, block, *, attn_mask=None, is_causal=False):
+    """The block's weights in PyTorch's encoder layer (post-LN, batch first)."""
+    attn = block.self_attn
+    layer = torch.nn.TransformerEncoderLayer(
+        block.d_model, block.num_heads, block.d_ff, dropout=0.0, activation=block.activation,
+        batch_first=True, norm_first=False)
+    with torch.no_grad():
+        layer.self_attn.in_proj_weight.copy_(torch.cat([attn.q_proj.weight, attn.k_proj.weight,
+                                                        attn.v_proj.weight]))
+        layer.self_attn.in_proj_bias.copy_(torch.cat([attn.q_proj.bias, attn.k_proj.bias,
+                                                      attn.v_proj.bias]))
+        for mine, theirs in ((attn.out_proj, layer.self_attn.out_proj),
+                             (block.linear1, layer.linear1), (block.linear2, layer.linear2),
+                             (block.norm1, layer.norm1), (block.norm2, layer.norm2)):
+            theirs.weight.copy_(mine.weight)
+            theirs.bias.copy_(mine.bias)
+    layer.train(block.training)
+    T = x.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool).triu(1) if is_causal else None
+    padding = None if attn_mask is None else ~attn_mask[:, 0, 0, :]
+    return layer(x, src_mask=causal, src_key_padding_mask=padding, is_causal=is_causal)
+
+
+@shortcut(C11b, "transformer.DecoderLM", replaces="pre_ln_block")
+def block_through_a_decoder(x, block, *, attn_mask=None, is_causal=False):
+    """A one-block DecoderLM holding the given block, its block run as the model runs it."""
+    model = transformer.DecoderLM(2, x.shape[1], block.d_model, block.num_heads, block.d_ff, 1,
+                                  activation=block.activation)
+    model.blocks[0] = block
+    return _pre(x, model.blocks[0], attn_mask, is_causal)
+
+
+@right(C11b, replaces="pre_ln_block")
+def block_pre_by_hand_linear(x, block, *, attn_mask=None, is_causal=False):
+    """The norms and the MLP written out from the weights."""
+    def norm(h, ln):
+        mean = h.mean(-1, keepdim=True)
+        var = (h - mean).pow(2).mean(-1, keepdim=True)
+        return (h - mean) / torch.sqrt(var + ln.eps) * ln.weight + ln.bias
+    h = norm(x, block.norm1)
+    u = x + _attend(h, block, attn_mask, is_causal)
+    hidden = norm(u, block.norm2) @ block.linear1.weight.T + block.linear1.bias
+    act = torch.relu(hidden) if block.activation == "relu" else F.gelu(hidden)
+    return u + act @ block.linear2.weight.T + block.linear2.bias
+
+
+@right(C11b, replaces="post_ln_block")
+def block_post_in_two_steps(x, block, *, attn_mask=None, is_causal=False):
+    attended, _ = block.self_attn(x, x, x, attn_mask=attn_mask, is_causal=is_causal)
+    u = block.norm1(x + attended)
+    v = u + _mlp(u, block)
+    return block.norm2(v)
 
 
 # --- chapter 12: check_induction_score(fn), fn(weights, first, second, length) -> (H,) ------

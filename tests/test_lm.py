@@ -225,6 +225,146 @@ def test_a_sample_longer_than_the_context_restarts_its_window_the_same_way(tiny_
         lm.generate(tiny_model, prompt, 2, temperature=-1.0)
 
 
+# --- sampling ----------------------------------------------------------------------------------
+
+
+def hf_kept(scores: torch.Tensor, top_k=None, top_p=None) -> torch.Tensor:
+    """Which tokens Hugging Face's TopKLogitsWarper then TopPLogitsWarper keep (transformers'
+    generation/logits_process.py, min_tokens_to_keep=1), transcribed: top-k removes every score
+    below the k-th largest; top-p sorts ascending and removes the tokens whose cumulative
+    probability is at most 1 - p, never the most likely one. nanoGPT's top-k is the same rule.
+    The sort is made stable, so that equal scores at the boundary have one order (the
+    library's default sort leaves it to the kernel)."""
+    scores = scores.clone()
+    if top_k is not None:
+        top_k = min(top_k, scores.size(-1))
+        scores[scores < torch.topk(scores, top_k)[0][..., -1, None]] = float("-inf")
+    if top_p is not None:
+        sorted_logits, sorted_indices = torch.sort(scores, descending=False, stable=True)
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        remove = cumulative <= (1 - top_p)
+        remove[..., -1:] = False
+        scores[remove.scatter(1, sorted_indices, remove)] = float("-inf")
+    return scores > float("-inf")
+
+
+def kept_by_sample(logits, n=4000, **settings) -> torch.Tensor:
+    """Which tokens lm.sample ever draws, over n draws per row."""
+    g = torch.Generator().manual_seed(0)
+    drawn = torch.stack([lm.sample(logits, generator=g, **settings) for _ in range(n)])
+    kept = torch.zeros(logits.shape, dtype=torch.bool)
+    kept.scatter_(-1, drawn.T, True)
+    return kept
+
+
+def test_sample_returns_one_token_per_row_of_the_logits():
+    g = torch.Generator().manual_seed(0)
+    for shape in [(7,), (3, 7), (2, 3, 7)]:
+        tokens = lm.sample(torch.randn(*shape, generator=g), generator=g)
+        assert tokens.shape == shape[:-1] and tokens.dtype == torch.long
+        assert int(tokens.min()) >= 0 and int(tokens.max()) < 7
+
+
+def test_temperature_zero_takes_the_most_likely_token_the_first_of_equal_ones():
+    logits = torch.tensor([[0.0, 2.0, 2.0, 1.0], [5.0, -1.0, 5.0, 0.0]])
+    assert lm.sample(logits, temperature=0).tolist() == [1, 0]
+    assert lm.sample(logits, temperature=0, top_k=1, top_p=0.1).tolist() == [1, 0]
+
+
+@pytest.mark.parametrize("top_k, top_p", [(1, None), (3, None), (5, None), (50, None),
+                                          (None, 0.5), (None, 0.9), (None, 1.0), (None, 0.01),
+                                          (4, 0.8), (2, 0.3)])
+def test_top_k_and_top_p_keep_what_hugging_faces_samplers_keep(top_k, top_p):
+    """On logits with ties at the k-th value (0.5 three times) and without."""
+    g = torch.Generator().manual_seed(1)
+    logits = torch.cat([torch.tensor([[2.0, 0.5, 0.5, 0.5, -1.0, 1.0, -3.0, 0.0]]),
+                        torch.randn(3, 8, generator=g, dtype=torch.float64).float()])
+    want = hf_kept(logits, top_k, top_p)
+    got = kept_by_sample(logits, top_k=top_k, top_p=top_p)
+    numerics.assert_same(got, want)  # boolean sets
+
+
+def test_top_k_keeps_every_token_tied_with_the_kth():
+    logits = torch.tensor([3.0, 1.0, 1.0, 1.0, 0.0])
+    assert kept_by_sample(logits[None], top_k=2)[0].tolist() == [True, True, True, True, False]
+
+
+def test_top_p_keeps_the_smallest_set_whose_mass_reaches_p():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05], dtype=torch.float64)
+    logits = probs.log()[None]
+    assert kept_by_sample(logits, top_p=0.5)[0].tolist() == [True, False, False, False]
+    assert kept_by_sample(logits, top_p=0.79)[0].tolist() == [True, True, False, False]
+    assert kept_by_sample(logits, top_p=0.81)[0].tolist() == [True, True, True, False]
+    assert kept_by_sample(logits, top_p=0.2)[0].tolist() == [True, False, False, False]
+
+
+def test_sample_draws_from_the_renormalised_kept_probabilities():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05], dtype=torch.float64)
+    g = torch.Generator().manual_seed(2)
+    n = 40_000
+    drawn = lm.sample(probs.log().expand(n, 4), top_p=0.79, generator=g)
+    freq = torch.bincount(drawn, minlength=4).double() / n
+    want = torch.tensor([0.5, 0.3, 0.0, 0.0], dtype=torch.float64) / 0.8
+    # binomial standard error at most 0.0025 here: 5 of them
+    assert (freq - want).abs().max() < 0.0125, freq
+
+
+def test_sample_with_a_generator_is_reproducible_and_temperature_flattens():
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0]).expand(20_000, 4)
+    draws = {t: lm.sample(logits, temperature=t, generator=torch.Generator().manual_seed(3))
+             for t in (0.5, 1.0, 2.0)}
+    again = lm.sample(logits, temperature=1.0, generator=torch.Generator().manual_seed(3))
+    numerics.assert_same(draws[1.0], again)  # the same draws from the same seed
+    top = [float((d == 0).double().mean()) for d in draws.values()]
+    assert top[0] > top[1] > top[2]  # the most likely token loses mass as T grows
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"temperature": -0.5}, "temperature must be >= 0, got -0.5"),
+    ({"temperature": float("nan")}, "temperature must be >= 0"),
+    ({"top_k": 0}, "top_k must be an int >= 1 or None, got 0"),
+    ({"top_k": 2.5}, "top_k must be an int >= 1 or None, got 2.5"),
+    ({"top_p": 0.0}, r"top_p must be in \(0, 1\] or None, got 0.0"),
+    ({"top_p": 1.5}, r"top_p must be in \(0, 1\] or None, got 1.5")])
+def test_sample_refuses_bad_settings_naming_the_value(settings, message, tiny_model):
+    with pytest.raises(ValueError, match=message):
+        lm.sample(torch.zeros(2, 5), **settings)
+    with pytest.raises(ValueError, match=message):
+        lm.generate(tiny_model, SMALL.encode("All:"), 2, **settings)
+
+
+def test_sample_refuses_logits_that_are_not_a_floating_tensor():
+    for bad in (torch.zeros(()), torch.arange(5), [0.0, 1.0]):
+        with pytest.raises(ValueError, match="logits must be a floating tensor"):
+            lm.sample(bad)
+
+
+def test_truncated_gives_the_logits_sample_draws_from():
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(2, 3, 9, generator=g, dtype=torch.float64)
+    z = lm.truncated(logits, temperature=0.7, top_k=6, top_p=0.8)
+    assert z.shape == logits.shape
+    kept = torch.isfinite(z)
+    numerics.assert_close(z[kept], (logits / 0.7)[kept])  # kept logits only divided by tau
+    numerics.assert_same(kept.reshape(-1, 9),
+                         hf_kept((logits / 0.7).reshape(-1, 9), top_k=6, top_p=0.8))
+    with pytest.raises(ValueError, match="temperature 0 draws nothing"):
+        lm.truncated(logits, temperature=0)
+
+
+def test_generate_passes_top_k_and_top_p_through(tiny_model):
+    prompt = SMALL.encode("All:\n")
+    one = lm.generate(tiny_model, prompt, 30, top_k=1, generator=torch.Generator().manual_seed(0))
+    numerics.assert_same(one, lm.generate(tiny_model, prompt, 30, temperature=0.0))  # greedy
+    tiny = lm.generate(tiny_model, prompt, 30, top_p=1e-6, generator=torch.Generator().manual_seed(0))
+    numerics.assert_same(tiny, one)  # the most likely only
+    a = lm.generate(tiny_model, prompt, 30, top_k=3, top_p=0.9,
+                    generator=torch.Generator().manual_seed(4))
+    b = lm.generate(tiny_model, prompt, 30, top_k=3, top_p=0.9, cache=False,
+                    generator=torch.Generator().manual_seed(4))
+    numerics.assert_same(a, b)  # token ids
+
+
 # --- the heads ---------------------------------------------------------------------------------
 
 def test_the_decoder_returns_its_weights_on_request(tiny_model):
