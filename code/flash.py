@@ -24,6 +24,13 @@ Shape legend as in ``attention.py``: L queries, S keys, E query/key width,
 Ev value width; ``...`` are leading (batch, head) axes, which broadcast as
 in PyTorch's ``scaled_dot_product_attention``.
 
+``flash_decode(q, k, v)`` is the decoding counterpart (Flash-Decoding, Dao et al.,
+2023): the few newest queries against a long cache, the keys split into
+``num_splits`` parts that separate workers could take, each part's partial
+result merged by its log-sum-exp; the query heads of a grouped-query group are
+packed into one matrix, so that each shared key-value head is read once for
+the whole group.
+
 This is a teaching implementation: Python loops over tiles, each tile an
 ordinary PyTorch matrix product. It shows *what* the GPU kernels compute,
 not how fast they compute it.
@@ -40,7 +47,8 @@ from torch.autograd.function import once_differentiable
 
 from attention import _check_qkv
 
-__all__ = ["flash_attention", "visited_tiles", "tile_count", "saved_tensor_bytes"]
+__all__ = ["flash_attention", "visited_tiles", "tile_count", "saved_tensor_bytes",
+           "flash_decode", "decode_splits"]
 
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -230,3 +238,69 @@ def saved_tensor_bytes(fn: Callable, *args, **kwargs) -> int:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         fn(*args, **kwargs)
     return sum(storages.values())
+
+
+# --------------------------------------------------------------------- decoding
+
+
+def decode_splits(S: int, num_splits: int) -> list[tuple[int, int]]:
+    """The ``num_splits`` parts ``[(j0, j1), ...]`` of keys 0 .. S - 1 that ``flash_decode``
+    gives its workers: contiguous, in order, their sizes differing by at most one."""
+    for name, n in (("S", S), ("num_splits", num_splits)):
+        if isinstance(n, bool) or not isinstance(n, int):
+            raise ValueError(f"{name} must be an integer, got {n!r}")
+    if not 1 <= num_splits <= S:
+        raise ValueError(f"num_splits must be between 1 and S = {S} (the keys), got "
+                         f"{num_splits}")
+    edges = [S * i // num_splits for i in range(num_splits + 1)]
+    return list(zip(edges[:-1], edges[1:]))
+
+
+def flash_decode(q: Tensor, k: Tensor, v: Tensor, *, num_splits: int = 4,
+                 scale: Optional[float] = None) -> Tensor:
+    """Attention of the ``L`` newest queries ``q`` ``(B, H, L, d)`` over a cache of ``S`` keys
+    and values ``k``, ``v`` ``(B, G, S, d)``, with G dividing H (query head h reads key-value
+    head ``h // (H // G)``), causal with the bottom-right alignment: query i of the L sees
+    keys 0 .. S - L + i. Returns ``(B, H, L, d)``: what ``scaled_dot_product_attention(q, k,
+    v, enable_gqa=True)`` gives with that mask.
+
+    The keys are cut into ``num_splits`` contiguous parts (``decode_splits``); for each part
+    and each key-value head, the ``H // G`` query heads of its group and their L queries are
+    packed into one ``(H // G * L, d)`` matrix, so the part's keys and values are read once
+    for the whole group; each part yields the online softmax's state (the maximum, the sum of
+    exponentials and the unnormalised output of every row), and the states are merged by
+    their log-sum-exp. Sizes that do not fit (``num_splits`` outside 1 .. S, G not dividing
+    H, L > S, other shapes) raise ValueError naming them."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor) or t.dim() != 4:
+            raise ValueError(f"{name} must be a 4-D tensor, (B, H, L, d) for q and (B, G, S, d) "
+                             f"for k and v; got "
+                             f"{tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__}")
+    B, H, L, d = q.shape
+    if k.shape != v.shape or k.shape[0] != B or k.shape[-1] != d:
+        raise ValueError(f"k and v must be (B, G, S, d) = ({B}, G, S, {d}) like q (B, H, L, d) "
+                         f"= {tuple(q.shape)}; got k {tuple(k.shape)}, v {tuple(v.shape)}")
+    G, S = k.shape[1], k.shape[2]
+    if G < 1 or H % G:
+        raise ValueError(f"the key-value heads G = {G} must divide the query heads H = {H}")
+    if L > S:
+        raise ValueError(f"the L = {L} newest queries must be among the S = {S} cached "
+                         "positions (their own keys included): L <= S")
+    parts = decode_splits(S, num_splits)
+    scale = 1 / math.sqrt(d) if scale is None else scale
+    r = H // G
+    packed = q.reshape(B, G, r * L, d)  # a group's r heads, each with its L queries
+    row = torch.arange(L, device=q.device).repeat(r)  # (r*L,): each packed row's query index
+    last_key = S - L + row  # (r*L,): the last key each row may see
+    states = []
+    for j0, j1 in parts:  # each part is one worker's
+        z = packed @ k[:, :, j0:j1].transpose(-2, -1) * scale  # (B, G, r*L, j1 - j0)
+        allowed = torch.arange(j0, j1, device=q.device)[None, :] <= last_key[:, None]
+        z = z.masked_fill(~allowed, float("-inf"))
+        m = z.amax(dim=-1, keepdim=True)  # (B, G, r*L, 1), -inf where no key is seen
+        p = torch.exp(z - m.nan_to_num(neginf=0.0))  # exp(-inf) = 0 for the masked keys
+        states.append((m, p.sum(dim=-1, keepdim=True), p @ v[:, :, j0:j1]))
+    m_all = torch.stack([m for m, _, _ in states]).amax(dim=0)  # finite: key 0 is always seen
+    ell = sum(torch.exp(m - m_all) * l for m, l, _ in states)
+    acc = sum(torch.exp(m - m_all) * y for m, _, y in states)
+    return (acc / ell).reshape(B, H, L, d)

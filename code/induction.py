@@ -57,6 +57,8 @@ __all__ = [
     "repeated_loss",
     "copy_reference_loss",
     "evaluate",
+    "ov_circuit",
+    "copying_score",
     "train",
     "phase_threshold",
     "phase_change_step",
@@ -363,6 +365,37 @@ def evaluate(model: AttentionOnly, sets: dict[str, Batch]) -> dict:
 
 # ---------------------------------------------------------------------------------------------
 # Training
+
+
+def ov_circuit(model: AttentionOnly, layer: int, head: int) -> Tensor:
+    """The ``(V, V)`` matrix of head ``head`` of layer ``layer`` read from token to logit
+    (Elhage et al., 2021): row a is what the head adds to the logits when it attends, with
+    weight 1, to a position holding token a, through the token embedding, the head's value and
+    output maps and the unembedding, ``E W_V^h W_O^h U``. The position embedding and what
+    earlier layers wrote are left out; BOS, never predicted, has no row."""
+    c = model.config
+    if not (0 <= layer < c.n_layers and 0 <= head < c.n_heads):
+        raise ValueError(f"layer {layer}, head {head}: the model has {c.n_layers} layers of "
+                         f"{c.n_heads} heads")
+    attn = model.layers[layer]
+    hd = c.d_model // c.n_heads
+    rows = slice(head * hd, (head + 1) * hd)  # the head's features
+    with torch.no_grad():
+        embed = model.embed.weight[:c.vocab_size]  # (V, D), without BOS
+        w_v = attn.v_proj.weight[rows].T  # (D, hd): x -> the head's value
+        w_o = attn.out_proj.weight[:, rows].T  # (hd, D): the head's share of the output
+        return embed @ w_v @ w_o @ model.unembed.weight.T  # (V, V)
+
+
+def copying_score(circuit: Tensor) -> float:
+    """Elhage et al.'s copying score of a square circuit: the sum of its eigenvalues over the
+    sum of their absolute values, 1 when every eigenvalue is positive (the head raises the
+    logit of the token it reads), -1 when every one is negative."""
+    if not isinstance(circuit, Tensor) or circuit.dim() != 2 or circuit.shape[0] != circuit.shape[1]:
+        raise ValueError(f"the circuit must be a square matrix, got "
+                         f"{tuple(circuit.shape) if isinstance(circuit, Tensor) else circuit!r}")
+    eig = torch.linalg.eigvals(circuit)
+    return float(eig.sum().real / eig.abs().sum())
 
 
 def train(config: Config, seed: int) -> tuple[AttentionOnly, list[dict]]:

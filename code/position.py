@@ -120,21 +120,37 @@ def rotary_frequencies(
       ``(1 - k) * freq / s + k * freq``: pairs that turn fewer than alpha
       times are interpolated, pairs that turn more than beta times are left
       alone. YaRN's attention temperature is ``yarn_attention_scale``.
+    - ``("llama3", s, train_length, low_freq_factor, high_freq_factor)``:
+      Llama 3.1's bands (``transformers``' rope type ``"llama3"``; the
+      released model: s = 8, 8192, 1, 4). Pairs whose wavelength exceeds
+      ``train_length / low_freq_factor`` are divided by s, pairs whose
+      wavelength is below ``train_length / high_freq_factor`` are left alone,
+      and between them ``(1 - k) * freq / s + k * freq`` with
+      ``k = (train_length / wavelength - low) / (high - low)``: YaRN's ramp
+      with ``alpha = low_freq_factor``, ``beta = high_freq_factor``.
+    - ``("dynamic", s, train_length, length)``: dynamic NTK scaling
+      (``transformers``' rope type ``"dynamic"``), for a sequence of
+      ``length`` positions so far: the NTK-aware base with the factor
+      ``s * max(length, train_length) / train_length - (s - 1)``, which is 1
+      (nothing changes) up to the training length and grows with the length.
 
     Bad input (unknown kind, ``s < 1``, wrong number of entries,
-    ``train_length < 1``, ``alpha >= beta``) raises ``ValueError``.
+    ``train_length < 1``, ``alpha >= beta``, ``low_freq_factor >=
+    high_freq_factor``, ``length < 1``) raises ``ValueError``.
     """
     _even_width("d", d)
     two_i = torch.arange(0, d, 2, dtype=torch.float64, device=device)
     freq = base ** (-two_i / d)  # (d/2,)
     if scaling is None:
         return freq.to(dtype)
-    kinds = {"linear": 2, "ntk": 2, "yarn": (3, 5)}
+    kinds = {"linear": 2, "ntk": 2, "yarn": (3, 5), "llama3": 5, "dynamic": 4}
     if (not isinstance(scaling, (tuple, list)) or not scaling
             or scaling[0] not in kinds):
         raise ValueError(
             "scaling must be None, ('linear', s), ('ntk', s), "
-            f"('yarn', s, train_length[, alpha, beta]); got {scaling!r}")
+            "('yarn', s, train_length[, alpha, beta]), ('llama3', s, train_length, "
+            "low_freq_factor, high_freq_factor) or ('dynamic', s, train_length, length); "
+            f"got {scaling!r}")
     kind, sizes = scaling[0], kinds[scaling[0]]
     if len(scaling) not in (sizes if isinstance(sizes, tuple) else (sizes,)):
         raise ValueError(
@@ -147,10 +163,21 @@ def rotary_frequencies(
             return freq.to(dtype)
         return ((base * s ** (d / (d - 2))) ** (-two_i / d)).to(dtype)
     train_length = _positive_int("train_length", scaling[2])
-    alpha, beta = (1.0, 32.0) if len(scaling) == 3 else scaling[3:]
-    if not 0 <= alpha < beta:
-        raise ValueError(
-            f"YaRN needs 0 <= alpha < beta, got alpha={alpha!r}, beta={beta!r}")
+    if kind == "dynamic":
+        length = _positive_int("length", scaling[3])
+        factor = s * max(length, train_length) / train_length - (s - 1)  # 1 up to training
+        return rotary_frequencies(d, base=base, scaling=("ntk", factor), dtype=dtype,
+                                  device=device)
+    if kind == "llama3":
+        alpha, beta = scaling[3:]
+        if not 0 <= alpha < beta:
+            raise ValueError(f"llama3 needs 0 <= low_freq_factor < high_freq_factor, got "
+                             f"{alpha!r} and {beta!r}")
+    else:
+        alpha, beta = (1.0, 32.0) if len(scaling) == 3 else scaling[3:]
+        if not 0 <= alpha < beta:
+            raise ValueError(
+                f"YaRN needs 0 <= alpha < beta, got alpha={alpha!r}, beta={beta!r}")
     turns = train_length * freq / (2 * math.pi)  # r = L / wavelength, (d/2,)
     keep = ((turns - alpha) / (beta - alpha)).clamp(0, 1)  # (d/2,)
     return ((1 - keep) * freq / s + keep * freq).to(dtype)

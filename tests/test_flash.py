@@ -234,3 +234,102 @@ def test_bad_block_size(block_size):
     q = torch.randn(3, 4)
     with pytest.raises(ValueError, match="block_size"):
         flash_attention(q, q, q, block_size=block_size)
+
+
+# --- decoding: flash_decode ---------------------------------------------------------------------
+
+from torch.overrides import TorchFunctionMode  # noqa: E402
+
+from flash import decode_splits, flash_decode  # noqa: E402
+
+
+def _decode_inputs(B, H, G, L, S, d, seed=0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, L, d, generator=g, dtype=dtype)
+    k, v = (torch.randn(B, G, S, d, generator=g, dtype=dtype) for _ in range(2))
+    return q, k, v
+
+
+def _bottom_right(L, S):
+    return torch.ones(L, S, dtype=torch.bool).tril(diagonal=S - L)  # query i sees 0..S-L+i
+
+
+@pytest.mark.parametrize("B, H, G, L, S, d, splits", [
+    (2, 8, 2, 1, 37, 16, 4), (1, 4, 4, 3, 10, 8, 3), (2, 6, 1, 5, 5, 4, 5), (1, 2, 1, 1, 1, 4, 1),
+    (3, 4, 2, 2, 64, 8, 7), (1, 8, 8, 1, 100, 32, 16)])
+def test_flash_decode_is_pytorchs_grouped_attention_with_the_bottom_right_mask(
+        B, H, G, L, S, d, splits):
+    q, k, v = _decode_inputs(B, H, G, L, S, d)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=_bottom_right(L, S), enable_gqa=True)
+    numerics.assert_close(flash_decode(q, k, v, num_splits=splits), want)
+
+
+def test_flash_decode_gives_the_same_result_for_every_split_and_a_given_scale():
+    q, k, v = _decode_inputs(2, 4, 2, 2, 23, 8, seed=1)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=_bottom_right(2, 23),
+                                          enable_gqa=True, scale=0.3)
+    for splits in range(1, 24):
+        numerics.assert_close(flash_decode(q, k, v, num_splits=splits, scale=0.3), want)
+
+
+def test_flash_decode_in_float32_is_close_to_float64():
+    q, k, v = _decode_inputs(1, 4, 1, 1, 300, 16, seed=2)
+    got = flash_decode(q.float(), k.float(), v.float(), num_splits=6)
+    numerics.assert_close(got, flash_decode(q, k, v, num_splits=6).float())
+
+
+class _Products(TorchFunctionMode):
+    """The shapes of every matrix product, and how often the keys are sliced."""
+
+    def __init__(self, keys):
+        super().__init__()
+        self.keys, self.shapes, self.key_slices = keys, [], 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__):
+            self.shapes.append(tuple(out.shape))
+        if func is torch.Tensor.__getitem__ and args[0] is self.keys:
+            self.key_slices += 1
+        return out
+
+
+def test_flash_decode_reads_each_shared_head_once_per_split_for_its_whole_group():
+    B, H, G, L, S, d, splits = 2, 8, 2, 1, 40, 16, 4
+    q, k, v = _decode_inputs(B, H, G, L, S, d)
+    with _Products(k) as seen:
+        flash_decode(q, k, v, num_splits=splits)
+    assert seen.key_slices == splits  # each part of the keys taken once
+    assert len(seen.shapes) == 2 * splits  # scores and outputs, one product each per part
+    # every product is over the G key-value heads, with the group's H/G heads packed as rows
+    assert all(shape[:3] == (B, G, H // G * L) for shape in seen.shapes), seen.shapes
+
+
+def test_decode_splits_cover_the_keys_in_near_equal_parts():
+    for S in (1, 7, 64, 100):
+        for n in range(1, min(S, 9) + 1):
+            parts = decode_splits(S, n)
+            assert len(parts) == n and parts[0][0] == 0 and parts[-1][1] == S
+            assert all(a[1] == b[0] for a, b in zip(parts, parts[1:]))
+            sizes = [j1 - j0 for j0, j1 in parts]
+            assert max(sizes) - min(sizes) <= 1 and min(sizes) >= 1
+
+
+@pytest.mark.parametrize("args, kwargs, message", [
+    ((2, 8, 3, 1, 10, 4), {}, "G = 3 must divide the query heads H = 8"),
+    ((1, 4, 2, 1, 10, 4), {"num_splits": 0}, "num_splits must be between 1 and S = 10"),
+    ((1, 4, 2, 1, 10, 4), {"num_splits": 11}, "num_splits must be between 1 and S = 10"),
+    ((1, 4, 2, 12, 10, 4), {}, "L = 12 newest queries must be among the S = 10"),
+])
+def test_flash_decode_names_the_sizes_that_do_not_fit(args, kwargs, message):
+    q, k, v = _decode_inputs(*args)
+    with pytest.raises(ValueError, match=message):
+        flash_decode(q, k, v, **kwargs)
+
+
+def test_flash_decode_refuses_shapes_that_do_not_match():
+    q, k, v = _decode_inputs(1, 4, 2, 1, 10, 4)
+    with pytest.raises(ValueError, match="must be a 4-D tensor"):
+        flash_decode(q[0], k, v)
+    with pytest.raises(ValueError, match="k and v must be"):
+        flash_decode(q, k[..., :3], v)

@@ -284,3 +284,40 @@ def test_bad_input_is_refused_naming_the_shapes():
     for call, message in cases:
         with pytest.raises(ValueError, match=message):
             call()
+
+
+# --- the OV circuit and the copying score ---------------------------------------------------------
+
+def test_ov_circuit_is_embedding_value_output_unembedding_by_loops():
+    import induction as ind
+    torch.manual_seed(0)
+    config = ind.Config(n_layers=2, n_heads=2, d_model=8, vocab_size=5)
+    model = ind.AttentionOnly(config)
+    for layer in range(2):
+        for head in range(2):
+            circuit = ind.ov_circuit(model, layer, head)
+            assert circuit.shape == (5, 5)
+            attn = model.layers[layer]
+            for a in range(5):  # attend with weight 1 to token a: the head's output, unembedded
+                e = model.embed.weight[a].detach()
+                value = attn.v_proj(e)  # all heads' values
+                keep = torch.zeros(8, dtype=torch.float64)
+                keep[head * 4:(head + 1) * 4] = 1  # this head's features only
+                out = attn.out_proj(value * keep) - attn.out_proj(torch.zeros(8, dtype=torch.float64))
+                logits = model.unembed(out).detach()
+                numerics.assert_close(circuit[a], logits)
+
+
+def test_copying_score_is_one_for_a_copier_and_minus_one_for_its_opposite():
+    import induction as ind
+    g = torch.Generator().manual_seed(1)
+    basis = torch.linalg.qr(torch.randn(6, 6, generator=g, dtype=torch.float64))[0]
+    positive = basis @ torch.diag(torch.tensor([1.0, 2, 3, 4, 5, 6], dtype=torch.float64)) @ basis.T
+    assert abs(ind.copying_score(positive) - 1) < 1e-12
+    assert abs(ind.copying_score(-positive) + 1) < 1e-12
+    rotation = torch.tensor([[0.0, -1.0], [1.0, 0.0]], dtype=torch.float64)  # eigenvalues +-i
+    assert abs(ind.copying_score(rotation)) < 1e-12
+    with pytest.raises(ValueError, match="square matrix"):
+        ind.copying_score(torch.zeros(2, 3))
+    with pytest.raises(ValueError, match="the model has 2 layers of 1 heads"):
+        ind.ov_circuit(ind.AttentionOnly(ind.Config()), 2, 0)

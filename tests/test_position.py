@@ -281,10 +281,58 @@ def test_yarn_attention_scale():
     (("cubic", 2), "scaling must be"), ("linear", "scaling must be"),
     (("linear", 0.5), ">= 1"), (("ntk", float("nan")), ">= 1"), (("ntk", True), ">= 1"),
     (("linear", 2, 3), "entries"), (("yarn", 2), "entries"),
-    (("yarn", 2, 0), "train_length"), (("yarn", 2, 16, 2, 1), "alpha < beta")])
+    (("yarn", 2, 0), "train_length"), (("yarn", 2, 16, 2, 1), "alpha < beta"),
+    (("llama3", 8, 8192, 4, 1), "low_freq_factor < high_freq_factor"),
+    (("llama3", 8, 8192, 1), "entries"), (("dynamic", 2, 16), "entries"),
+    (("dynamic", 2, 16, 0), "length must be a positive integer"),
+    (("dynamic", 0.5, 16, 32), ">= 1")])
 def test_bad_scalings_raise_a_clear_value_error(scaling, match):
     with pytest.raises(ValueError, match=match):
         rotary_frequencies(8, scaling=scaling)
+
+
+def hf_llama3(d, base, factor, old_context_len, low_freq_factor, high_freq_factor):
+    """transformers' _compute_llama3_parameters (modeling_rope_utils.py), transcribed, with
+    the default inverse frequencies in float64 instead of the library's float32."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.int64).double() / d))
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth_factor = (old_context_len / wavelen - low_freq_factor) / (
+        high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth_factor) * inv_freq_llama / factor + smooth_factor * inv_freq_llama
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, inv_freq_llama)
+
+
+def hf_dynamic(d, base, factor, max_position_embeddings, seq_len):
+    """transformers' _compute_dynamic_ntk_parameters, transcribed (float64, as above)."""
+    seq_len = seq_len if seq_len > max_position_embeddings else max_position_embeddings
+    base = base * ((factor * seq_len / max_position_embeddings) - (factor - 1)) ** (d / (d - 2))
+    return 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.int64).double() / d))
+
+
+@pytest.mark.parametrize("d, base, s, L, low, high", [
+    (128, 500000.0, 8.0, 8192, 1.0, 4.0),  # Llama 3.1's released values
+    (64, 10000.0, 4.0, 2048, 1.0, 4.0), (128, 500000.0, 32.0, 8192, 1.0, 4.0),
+    (16, 10000.0, 2.0, 16, 0.5, 3.0)])
+def test_llama3_scaling_is_transformers_llama3_rope_type(d, base, s, L, low, high):
+    got = rotary_frequencies(d, base=base, scaling=("llama3", s, L, low, high))
+    numerics.assert_close(got, hf_llama3(d, base, s, L, low, high))
+    # and YaRN's frequencies with the bounds alpha = low, beta = high
+    numerics.assert_close(got, rotary_frequencies(d, base=base, scaling=("yarn", s, L, low,
+                                                                         high)))
+
+
+@pytest.mark.parametrize("d, base, s, L, length", [
+    (128, 10000.0, 2.0, 4096, 1), (128, 10000.0, 2.0, 4096, 4096),
+    (128, 10000.0, 2.0, 4096, 6000), (64, 500000.0, 4.0, 2048, 16384), (8, 10000.0, 1.5, 16, 40)])
+def test_dynamic_scaling_is_transformers_dynamic_rope_type(d, base, s, L, length):
+    got = rotary_frequencies(d, base=base, scaling=("dynamic", s, L, length))
+    numerics.assert_close(got, hf_dynamic(d, base, s, L, length))
+    if length <= L:  # nothing changes within the training length
+        numerics.assert_close(got, rotary_frequencies(d, base=base))
 
 
 def test_yarn_attention_scale_rejects_shrinking():
