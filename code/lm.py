@@ -388,9 +388,7 @@ def generate(model: DecoderLM, prompt: Tensor, n: int, *, temperature: float = 1
     if not isinstance(prompt, Tensor) or prompt.dim() != 1 or len(prompt) < 1:
         raise ValueError(f"prompt must be a non-empty (T0,) tensor of tokens, got "
                          f"{tuple(prompt.shape) if isinstance(prompt, Tensor) else prompt!r}")
-    sample(torch.zeros(1), temperature=0, top_k=top_k, top_p=top_p)  # the settings checked
-    if not temperature >= 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    _check_sampling(torch.zeros(1), temperature, top_k, top_p)  # before any work
     seen = prompt.tolist()
     start = max(0, len(seen) - model.max_len)
     keep = model.max_len // 2
