@@ -34,6 +34,15 @@ and softmax that an attention exercise allows (tests/test_checking.py shows it);
 records the composite call itself. Where a PyTorch cannot record all threads, the legacy
 autograd profiler records this one.
 
+**Feedback here, grades elsewhere.** In a student's notebook the check shares the process with
+the answer, so the answer could reach it (replace `Check.grade`, empty a rule, switch the
+recording off): a check there is feedback, for the student. When an assignment is autograded,
+tools/isolated_grading.py runs the answer's cells in a process of their own, which records each
+call and sends back plain tensors and numbers with the record (`Recording.plain`), and runs
+the cases in another, where the answer's functions are `IsolatedAnswer`s and the rules judge a
+`RemoteRecording`; what could edit the record there is found in the answer's source and
+flagged. The instructors' page says what that guards against and what it does not.
+
 **A check never crashes.** Whatever the answer raises or returns, the case fails with a message;
 an error in comparing a result of an unexpected kind is a failed case too. The answer's floating
 results are compared in the dtype of the inputs, whatever dtype it computed in, except in cases
@@ -69,6 +78,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 __all__ = ["Check", "ForbiddenWork", "NotWritten", "Rule", "Recording", "recording",
+           "IsolatedAnswer", "RemoteRecording",
            "all_checks", "find_check", "module_rules"]
 
 NOT_WRITTEN = "is not written yet: replace `raise NotImplementedError()` with your code"
@@ -138,6 +148,9 @@ def _fingerprint(code: types.CodeType):
 
 
 _WATCHED_BUILTINS: set = set()  # the builtins some rule watches for
+# In the answer's own process (isolated grading) the rules are elsewhere: every builtin called is
+# recorded, and the check's process looks for the ones its rules watch.
+EVERY_BUILTIN = False
 
 
 class Rule:
@@ -167,7 +180,7 @@ class Rule:
         if self._codes is None:
             objects = self._python() if callable(self._python) else self._python
             codes = [code for obj in objects for code in _code_objects(obj)]
-            self._codes = set(codes)
+            self._codes = {_code_key(code) for code in codes}
             # A pasted copy is recognised by its instructions; short functions (a one-line
             # forward, an __init__ that stores its arguments) could be anyone's.
             self._prints = {_fingerprint(code) for code in codes if len(code.co_code) >= 40}
@@ -175,17 +188,18 @@ class Rule:
             if module in sys.modules and module not in self._taken:
                 self._taken.add(module)
                 if names == ("*",):  # every function and class of the module
-                    self._codes.update(_code_objects(sys.modules[module]))
+                    self._codes.update(_code_key(code)
+                                       for code in _code_objects(sys.modules[module]))
                     continue
                 for name in names:
                     obj = functools.reduce(getattr, name.split("."), sys.modules[module])
                     if inspect.isfunction(inspect.unwrap(obj)):
-                        self._codes.add(inspect.unwrap(obj).__code__)
+                        self._codes.add(_code_key(inspect.unwrap(obj).__code__))
                     else:  # a builtin or a NumPy ufunc: seen when called
-                        self._builtins.add(obj)
+                        self._builtins.add(_builtin_name(obj))
                         _WATCHED_BUILTINS.add(obj)
 
-    def seen_in(self, recorded: "Recording") -> str | None:
+    def seen_in(self, recorded: "Recording | RemoteRecording") -> str | None:
         """What of this rule the recording shows, or None."""
         for op in sorted(recorded.ops):
             if any(part in op for part in self.aten):
@@ -193,16 +207,74 @@ class Rule:
         for method in sorted(recorded.tensor_methods & self.tensor_methods):
             return f"Tensor.{method} was called"
         self._load()
-        for builtin in recorded.builtins & self._builtins:
-            return f"{getattr(builtin, '__name__', builtin)} was called"
-        for code in recorded.codes:
-            if code in self._codes:
-                return f"{code.co_qualname} ran"
-            if (self._prints and len(code.co_code) >= 40 and code.co_filename != __file__
-                    and (not _library(code.co_filename) or _in_here(code.co_filename))
-                    and _fingerprint(code) in self._prints):
-                return f"{code.co_qualname} is a copy of the module's code"
+        if isinstance(recorded, RemoteRecording):  # the answer's process imported it, not this
+            for module in recorded.modules & set(self._elsewhere):
+                if module not in self._taken:
+                    with contextlib.suppress(Exception):
+                        importlib.import_module(module)
+            self._load()
+        for builtin in sorted(recorded.builtin_names() & self._builtins):
+            return f"{builtin} was called"
+        for info in recorded.code_infos():
+            if info.key in self._codes:
+                return f"{info.qualname} ran"
+            if self._prints and info.fingerprint() in self._prints:
+                return f"{info.qualname} is a copy of the module's code"
         return None
+
+
+class CodeInfo:
+    """What a rule needs to know of a code object the answer ran, in a form that crosses from the
+    answer's process to the check's: where it is (its key), its name, and, for the answer's own
+    code and the book's, its fingerprint (a copy of the module's code is recognised by it)."""
+
+    __slots__ = ("key", "qualname", "file", "_print", "_code")
+
+    def __init__(self, key, qualname, file, fingerprint=None, code=None):
+        self.key, self.qualname, self.file = key, qualname, file
+        self._print, self._code = fingerprint, code
+
+    @classmethod
+    def of(cls, code: types.CodeType) -> "CodeInfo":
+        return cls(_code_key(code), code.co_qualname, pathlib.Path(code.co_filename).name,
+                   code=code)
+
+    def fingerprint(self):
+        """The code's fingerprint where a copy could hide in it (not PyTorch's or Python's own
+        code, nor the checks'), else None."""
+        if self._print is None and self._code is not None:
+            code, self._code = self._code, None
+            if (len(code.co_code) >= 40 and code.co_filename != __file__
+                    and (not _library(code.co_filename) or _in_here(code.co_filename))):
+                self._print = _fingerprint(code)
+            else:
+                self._print = ()
+        return self._print or None
+
+    def plain(self) -> tuple:
+        return (self.key, self.qualname, self.file, self.fingerprint())
+
+
+@functools.lru_cache(maxsize=8192)
+def _file_key(filename: str) -> str:
+    """A file's name as two processes agree on it: the book's own files by their name (the
+    answer's process reads a copy of them elsewhere), every other file by its resolved path."""
+    if _in_here(filename):
+        return "book:" + pathlib.Path(filename).name
+    try:
+        return str(pathlib.Path(filename).resolve())
+    except (OSError, ValueError):
+        return filename
+
+
+def _code_key(code: types.CodeType) -> tuple[str, str, int]:
+    return (_file_key(code.co_filename), code.co_qualname, code.co_firstlineno)
+
+
+def _builtin_name(obj) -> str:
+    """A builtin function or a NumPy ufunc by its module and name, the same in every process."""
+    module = getattr(obj, "__module__", None) or type(obj).__module__
+    return f"{module}.{getattr(obj, '__qualname__', None) or getattr(obj, '__name__', '?')}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -225,6 +297,26 @@ class Recording:
         self.tensor_methods: set[str] = set()  # the builtin Tensor methods called, by name
         self.elsewhere: tuple[str, str] | None = None  # (what, seen): see seen_elsewhere
 
+    def code_infos(self) -> list[CodeInfo]:
+        """The codes run, for the rules (made once, when the recording is complete)."""
+        if getattr(self, "_infos", None) is None:
+            self._infos = [CodeInfo.of(code) for code in self.codes]
+        return self._infos
+
+    def builtin_names(self) -> set[str]:
+        return {_builtin_name(b) for b in self.builtins}
+
+    def plain(self) -> dict:
+        """The recording as plain data (names, numbers, tuples), for the check's process:
+        RemoteRecording(plain) makes it a recording again there."""
+        return {"ops": dict(self.ops), "codes": [info.plain() for info in self.code_infos()],
+                "tampered": self.tampered, "lines": self.lines,
+                "line_hits": sorted(self.line_hits.values()), "calls": self.calls,
+                "builtins": sorted(self.builtin_names()),
+                "tensor_methods": sorted(self.tensor_methods),
+                "elsewhere": self.elsewhere,
+                "modules": sorted(sys.modules)}
+
     def seen_elsewhere(self) -> tuple[str, str] | None:
         """(what it is, what was seen) where the answer did work the recording cannot judge:
         in another thread or process (a call of the modules that hand work there, or of the
@@ -232,12 +324,34 @@ class Recording:
         own code, frames or objects."""
         if self.elsewhere:
             return self.elsewhere
-        for code in self.codes:
-            path = pathlib.Path(code.co_filename)
-            if ((path.name.startswith("checks_") or path.name == "checking.py")
-                    and code is not recording.__wrapped__.__code__):
-                return (_THE_CHECK, f"{code.co_qualname} of {path.name} ran")
+        own = _code_key(recording.__wrapped__.__code__)
+        for info in self.code_infos():
+            if ((info.file.startswith("checks_") or info.file == "checking.py")
+                    and info.key != own):
+                return (_THE_CHECK, f"{info.qualname} of {info.file} ran")
         return None
+
+
+class RemoteRecording(Recording):
+    """A recording made in the answer's own process (isolated grading), from Recording.plain."""
+
+    def __init__(self, plain: dict):
+        super().__init__()
+        self.ops = Counter(plain["ops"])
+        self._infos = [CodeInfo(tuple(key), qualname, file, fingerprint)
+                       for key, qualname, file, fingerprint in plain["codes"]]
+        self.tampered, self.lines, self.calls = plain["tampered"], plain["lines"], plain["calls"]
+        self.line_hits = Counter(dict(enumerate(plain["line_hits"])))
+        self._builtin_names = set(plain["builtins"])
+        self.tensor_methods = set(plain["tensor_methods"])
+        self.elsewhere = tuple(plain["elsewhere"]) if plain["elsewhere"] else None
+        self.modules = set(plain["modules"])
+
+    def code_infos(self) -> list[CodeInfo]:
+        return self._infos
+
+    def builtin_names(self) -> set[str]:
+        return self._builtin_names
 
 
 _ELSEWHERE = "another thread or process, where the check cannot see what runs"
@@ -407,7 +521,7 @@ def recording():
         elif event == "c_call":
             recorded.calls += 1
             try:
-                if arg in _WATCHED_BUILTINS:
+                if EVERY_BUILTIN or arg in _WATCHED_BUILTINS:
                     recorded.builtins.add(arg)
             except TypeError:  # a method of an object that cannot be hashed
                 pass
@@ -597,13 +711,19 @@ class Answer:
         # tensors (from which the case may still compute what it expects); the copies keep the
         # autograd graph, so a gradient still reaches the case's leaves.
         args, kwargs = _cloned(args), _cloned(kwargs)
-        intact = _Namespaces()
+        isolated = isinstance(self.fn, IsolatedAnswer)
+        intact = None if isolated else _Namespaces()
         given = self._named(args, kwargs)
         before = [t.detach().clone() for _, t in given]
         recorded = None
         try:
-            with recording() as recorded:
-                out = self.fn(*args, **kwargs)
+            if isolated:  # run and recorded in the answer's own process
+                out, recorded, error = self.fn.invoke(args, kwargs)
+                if error is not None:
+                    raise error
+            else:
+                with recording() as recorded:
+                    out = self.fn(*args, **kwargs)
         except NotImplementedError:
             self.not_written = True
             raise NotWritten(f"{self.__name__} {NOT_WRITTEN}") from None
@@ -614,26 +734,7 @@ class Answer:
             raise
         finally:
             if recorded is not None:
-                self.work.append(sum(recorded.ops.values()) + recorded.calls + recorded.lines)
-                self.line_hits.append(max(recorded.line_hits.values(), default=0))
-                seen = [(rule.label, what) for rule in self.rules
-                        for what in [rule.seen_in(recorded)] if what]
-                if recorded.tampered:
-                    seen.append(("a way to switch off the check's recording",
-                                 "the profiler or sys.setprofile was changed"))
-                elsewhere = recorded.seen_elsewhere()
-                if elsewhere:
-                    seen.append(elsewhere)
-                changed = intact.restore()
-                if changed:
-                    seen.append(("a change to the check's code or PyTorch's functions",
-                                 f"{changed} was replaced, and is put back"))
-                if seen:
-                    self.forbidden = (
-                        f"{self.__name__} uses {' and '.join(label for label, _ in seen)}, "
-                        "which this exercise asks you to write yourself or rules out ("
-                        + "; ".join(what for _, what in seen) + ")")
-                    raise ForbiddenWork(self.forbidden) from None
+                self._judge(recorded, intact)
         for (name, tensor), old in zip(given, before):
             if not _same(tensor, old):
                 self.mutated.append(f"argument `{name}` (shape {tuple(old.shape)})")
@@ -643,6 +744,41 @@ class Answer:
             if dtypes:
                 out = _to_dtype(out, dtypes[0])
         return out
+
+    def _judge(self, recorded: Recording, intact: "_Namespaces | None") -> None:
+        """Note the call's work; ForbiddenWork if it ran what the rules name, switched the
+        recording off, worked where the recording cannot see or changed the check's code."""
+        self.work.append(sum(recorded.ops.values()) + recorded.calls + recorded.lines)
+        self.line_hits.append(max(recorded.line_hits.values(), default=0))
+        seen = [(rule.label, what) for rule in self.rules
+                for what in [rule.seen_in(recorded)] if what]
+        if recorded.tampered:
+            seen.append(("a way to switch off the check's recording",
+                         "the profiler or sys.setprofile was changed"))
+        elsewhere = recorded.seen_elsewhere()
+        if elsewhere:
+            seen.append(elsewhere)
+        changed = intact.restore() if intact is not None else None
+        if changed:
+            seen.append(("a change to the check's code or PyTorch's functions",
+                         f"{changed} was replaced, and is put back"))
+        if seen:
+            self.forbidden = (
+                f"{self.__name__} uses {' and '.join(label for label, _ in seen)}, "
+                "which this exercise asks you to write yourself or rules out ("
+                + "; ".join(what for _, what in seen) + ")")
+            raise ForbiddenWork(self.forbidden) from None
+
+
+class IsolatedAnswer:
+    """An answer that runs in a process of its own (tools/isolated_grading.py, when an
+    assignment is graded): `invoke(args, kwargs)` returns (result, RemoteRecording, the error
+    the answer raised or None), the result made of plain tensors and numbers."""
+
+    __name__ = "answer"
+
+    def invoke(self, args: tuple, kwargs: dict):
+        raise NotImplementedError
 
 
 class Check:
@@ -852,13 +988,19 @@ def softmax_rules(module_softmax: bool = True) -> list[Rule]:
                       "torch._refs": ("softmax", "log_softmax"),
                       "torch._refs.special": ("softmax", "log_softmax"),
                       "torch._decomp.decompositions": ("_softmax", "_log_softmax")}),
-             Rule("torch.logsumexp or torch.logaddexp",
-                  aten=("logsumexp", "logaddexp", "logcumsumexp"), elsewhere={
+             Rule("torch.logsumexp or torch.logaddexp (softplus too: logaddexp(0, x))",
+                  aten=("logsumexp", "logaddexp", "logcumsumexp", "softplus"), elsewhere={
                       "scipy.special": ("logsumexp",),
-                      "torch._refs": ("logsumexp", "logaddexp")}),
-             Rule("NumPy in place of torch operations", tensor_methods=("numpy", "__array__"),
-                  python=lambda: [torch.Tensor.__array__, torch.Tensor.numpy]),
-             attention_rule()]
+                      "torch._refs": ("logsumexp", "logaddexp"),
+                      "torch._refs.nn.functional": ("softplus",)}),
+             Rule("NumPy in place of torch operations",
+                  tensor_methods=("numpy", "__array__", "__dlpack__"),
+                  python=lambda: [torch.Tensor.__array__, torch.Tensor.numpy],
+                  elsewhere={"numpy": ("array", "asarray", "asanyarray", "ascontiguousarray",
+                                       "fromiter", "frombuffer", "from_dlpack")}),
+             attention_rule(),
+             Rule("the book's FlashAttention (flash.py), a softmax in disguise",
+                  python=lambda: [importlib.import_module("flash")])]
     if module_softmax:
         rules += module_rules("softmax")
     return rules

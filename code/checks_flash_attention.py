@@ -74,6 +74,11 @@ def _merge_call(fn, where, part1, part2):
     return got
 
 
+def _float32_close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """got equals want to float32's precision (what a merge computed in float32 reaches)."""
+    return torch.allclose(got, want, rtol=1e-5, atol=1e-6, equal_nan=True)
+
+
 def _merge_values(fn, name: str):
     """Merge the partial results of the two blocks of a case and compare with the partial
     result of all the keys at once; if they differ, name the mistake."""
@@ -96,6 +101,11 @@ def _merge_values(fn, name: str):
             f"{where}: NaN or inf in the result (inf / inf, or inf * 0). Only differences of "
             "scores may be exponentiated, and only ones <= 0: rescale each block by "
             "exp(its maximum - the new maximum), never by exp(a maximum) alone")
+    # The statement asks for no dtype: a merge computed in float32 inside is right to float32's
+    # precision (about 1e-7 relative on these float64 inputs), and no mistake is that small.
+    if all(_float32_close(got, want) for got, want in ((m, want_m), (ell, want_ell),
+                                                        (y, want_y))):
+        return
     if not close(m, want_m):
         assert not close(m, m2), (
             f"{where}: m is the second block's maximum m2; the merged maximum is the larger "
@@ -191,7 +201,7 @@ def _(fn):
     m, ell, y = state
     want, _ = sdpa(q, k, v)  # (L, Ev)
     got = y / ell[:, None]
-    assert torch.allclose(got, want, rtol=1e-9, atol=1e-12), (
+    assert _float32_close(got, want), (
         f"{where}: y / ell after the last block differs from attention's output by up to "
         f"{float((got - want).abs().max()):.3g}")
 

@@ -29,10 +29,12 @@ def _ssa_inputs() -> dict[str, torch.Tensor]:
 
 
 def _random_inputs() -> dict[str, torch.Tensor]:
-    """Three inputs of sizes drawn from a fixed generator, one of them a batch."""
+    """Four inputs of sizes drawn from a fixed generator, one of them a batch, one with two
+    batch axes (x is (..., T, d))."""
     gen = torch.Generator().manual_seed(1)
     inputs = {}
-    for batch in ((), (), (int(torch.randint(1, 4, (), generator=gen)),)):
+    for batch in ((), (), (int(torch.randint(1, 4, (), generator=gen)),),
+                  tuple(int(n) for n in torch.randint(1, 4, (2,), generator=gen))):
         T, d = (int(n) for n in torch.randint(1, 8, (2,), generator=gen))
         x = 3 * torch.randn(*batch, T, d, generator=gen)
         inputs[f"drawn at random {tuple(x.shape)}"] = x

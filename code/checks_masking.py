@@ -294,8 +294,8 @@ def _(fn):
 @check_masked_softmax.case("sizes drawn at random")
 def _(fn):
     gen = torch.Generator().manual_seed(6)
-    for _ in range(3):
-        B, L, S = (int(n) for n in torch.randint(1, 6, (3,), generator=gen))
-        x = 10 * torch.randn(B, L, S, generator=gen)
-        m = torch.rand(B, L, S, generator=gen) > 0.5
-        _ms_values(fn, f"scores (B, L, S) = {(B, L, S)}, a random mask", x, m)
+    for rank in (3, 4, 2):  # (B, L, S), (B, H, L, S), (L, S): any leading axes
+        shape = tuple(int(n) for n in torch.randint(1, 6, (rank,), generator=gen))
+        x = 10 * torch.randn(shape, generator=gen)
+        m = torch.rand(shape, generator=gen) > 0.5
+        _ms_values(fn, f"scores {shape}, a random mask", x, m)

@@ -49,15 +49,17 @@ def _rope_inputs():
         "far positions": ("x (4, 16), positions 1000, 2000, 3000, 4000",
                           torch.randn(4, 16, generator=g, dtype=torch.float64),
                           torch.tensor([1000, 2000, 3000, 4000])),
-        **{f"random {i}": _rope_random(g) for i in (1, 2)}}
+        **{f"random {i}": _rope_random(g, per_sequence=i == 2) for i in (1, 2)}}
 
 
-def _rope_random(g):
-    """(where, x, positions) of sizes drawn from g: x (B, L, d), positions (L,) below 500."""
+def _rope_random(g, per_sequence: bool):
+    """(where, x, positions) of sizes drawn from g: x (B, L, d), positions below 500, (L,) or,
+    `per_sequence`, (B, L): one row of ids per sequence."""
     B, L, half = (int(n) for n in torch.randint(1, 6, (3,), generator=g))
     x = torch.randn(B, L, 2 * half, generator=g, dtype=torch.float64)
-    positions = torch.randint(0, 500, (L,), generator=g)
-    return f"x {tuple(x.shape)}, positions {positions.tolist()}", x, positions
+    positions = torch.randint(0, 500, (B, L) if per_sequence else (L,), generator=g)
+    return (f"x {tuple(x.shape)}, positions {tuple(positions.shape)} "
+            f"{positions.tolist()}"), x, positions
 
 
 def _rope_call(fn, where, x, positions):

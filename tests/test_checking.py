@@ -328,9 +328,19 @@ for _name, _repeat in captured(attention.repeat_kv, "the module's repeat_kv").it
             q, r(k, q.shape[1] // k.shape[1]), r(v, q.shape[1] // k.shape[1]))[0])(_repeat))
 
 
+def _one_width(q, k, v, scale):
+    """q, k, v zero-padded to one width w = max(d_k, d_v), q scaled so that PyTorch's
+    1/sqrt(w) gives `scale` (1/sqrt(d_k) by default); and d_v, to cut the output back."""
+    d_k, d_v = q.shape[-1], v.shape[-1]
+    w = max(d_k, d_v)
+    pad = lambda t: F.pad(t, (0, w - t.shape[-1]))  # noqa: E731
+    scale = 1 / math.sqrt(d_k) if scale is None else scale
+    return pad(q) * scale * math.sqrt(w), pad(k), pad(v), w, d_v
+
+
 def _mha_as_attention(q, k, v, mask=None, scale=None):
     """nn.MultiheadAttention with identity projections: one head of attention over q, k, v."""
-    d = q.shape[-1]
+    q, k, v, d, d_v = _one_width(q, k, v, scale)
     mha = torch.nn.MultiheadAttention(d, 1, bias=False, batch_first=True)
     with torch.no_grad():
         mha.in_proj_weight.copy_(torch.eye(d).repeat(3, 1))
@@ -339,12 +349,12 @@ def _mha_as_attention(q, k, v, mask=None, scale=None):
     q, k, v = (t[None] if squeeze else t for t in (q, k, v))
     blocked = None if mask is None else ~mask.expand(q.shape[0], q.shape[1], k.shape[1])
     out = mha(q, k, v, attn_mask=blocked, need_weights=False)[0]
-    return out[0] if squeeze else out
+    return (out[0] if squeeze else out)[..., :d_v]
 
 
 def _functional_mha(q, k, v, mask=None, scale=None):
     """torch.nn.functional.multi_head_attention_forward with identity projections."""
-    d = q.shape[-1]
+    q, k, v, d, d_v = _one_width(q, k, v, scale)
     squeeze = q.dim() == 2
     q, k, v = (t[None] if squeeze else t for t in (q, k, v))
     blocked = None if mask is None else ~mask.expand(q.shape[0], q.shape[1], k.shape[1])
@@ -352,7 +362,7 @@ def _functional_mha(q, k, v, mask=None, scale=None):
         q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), d, 1,
         torch.eye(d).repeat(3, 1), None, None, None, False, 0.0, torch.eye(d), None,
         attn_mask=blocked, need_weights=False)[0].transpose(0, 1)
-    return out[0] if squeeze else out
+    return (out[0] if squeeze else out)[..., :d_v]
 
 
 for _check in (C2, C7):
@@ -505,7 +515,7 @@ def _with_kv_cache(cache_class):
     def cached_attention(k_cache, v_cache, q, k, v):
         cache = cache_class()
         cache.update(k_cache[:, None], v_cache[:, None])
-        keys, values = cache.update(k[:, None], v[:, None])
+        keys, values, _ = cache.update(k[:, None], v[:, None])  # and the mask
         keys, values = keys[:, 0], values[:, 0]
         S, n = k_cache.shape[1], q.shape[1]
         sees = torch.ones(n, S + n, dtype=torch.bool).tril(diagonal=S)
@@ -944,6 +954,28 @@ def test_the_catalogue_earns_what_it_should(entry, capsys):
         assert earned == full, report
     if entry.fragment:
         assert any(entry.fragment in m for m in failed), (entry.fragment, report)
+
+
+@pytest.mark.parametrize("entry", [e for e in CATALOGUE if e.fragment == FORBIDDEN], ids=_id)
+def test_a_forbidden_answer_computes_where_its_rules_are_lifted(entry, monkeypatch):
+    """A forbidden answer is a working shortcut: with its check's rules lifted, it passes a case,
+    or fails every case for no reason but the other ways of hiding work (another thread,
+    compiled code). An answer that raised everywhere would earn nothing whatever the rules did,
+    and prove nothing."""
+    check = load_check(entry.check)
+    monkeypatch.setattr(check, "rules", ())
+    monkeypatch.setattr(check, "_looked", {})
+    for fn in entry.functions.values():
+        getattr(fn, "prepare", lambda: None)()
+    functions = reference_functions(entry.check)
+    functions.update(entry.functions)
+    messages = []
+    for title in check.cases:
+        message = check._run(title, tuple(functions.values()))
+        if message is None:
+            return
+        messages.append(message)
+    assert all(FORBIDDEN in message for message in messages), (entry.name, messages)
 
 
 def test_every_class_has_two_members_for_every_check():

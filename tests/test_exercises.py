@@ -317,6 +317,14 @@ def ssa_torch_softmax(x):
     return weights @ x, weights
 
 
+@wrong(C1, "drawn at random (")
+def ssa_up_to_one_batch_axis(x):
+    """Right for the shapes the statement's examples show, (T, d) and (B, T, d), only."""
+    keys = x.T if x.dim() == 2 else x.transpose(1, 2)
+    weights = _exp_rows(x @ keys)
+    return weights @ x, weights
+
+
 @right(C1)
 def ssa_float64(x):
     x64 = x.double()
@@ -870,6 +878,17 @@ def ms_nan_to_num_after(scores, mask):
     return _exp_rows(filled).nan_to_num(0.0)
 
 
+@wrong(C5b, "too many values to unpack (expected 3)")
+def ms_three_axes_only(scores, mask):
+    """Right for (B, L, S) scores only, the shape of most cases."""
+    B, L, S = scores.shape
+    keep = mask.expand(B, L, S)
+    top = scores.masked_fill(~keep, float("-inf")).amax(-1, keepdim=True)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    exp = torch.exp(scores.float() - top).masked_fill(~keep, 0.0)
+    return (exp / exp.sum(-1, keepdim=True).clamp_min(1e-30)).to(scores.dtype)
+
+
 @wrong(C5b, "inverted mask")
 def ms_inverted(scores, mask):
     weights = _exp_rows(scores.masked_fill(mask, float("-inf")), dim=-1)
@@ -1405,6 +1424,15 @@ def _pairs(x, angles, swap=False, layout="interleaved"):
     return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1).to(x.dtype)
 
 
+@wrong(C8, "positions (")
+def rope_documented_positions_only(x, positions):
+    """Right for the two shapes of positions the statement shows, (L,) and (B, 1, L): a
+    position tensor of rank 2 is taken for (B, 1, L) without its middle axis."""
+    if positions.dim() == 2:
+        positions = positions[:, 0, None]  # meant for (B, L) read as rows of (B, 1, L)
+    return _pairs(x, _angles(x, positions))
+
+
 @wrong(C8, "the half-split layout")
 def rope_half_split(x, positions):
     return _pairs(x, _angles(x, positions), layout="half")
@@ -1769,6 +1797,14 @@ def merge_reference(m1, ell1, y1, m2, ell2, y2):
     shift = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     f1, f2 = torch.exp(m1 - shift), torch.exp(m2 - shift)
     return m, f1 * ell1 + f2 * ell2, f1[..., None] * y1 + f2[..., None] * y2
+
+
+@right(C10)
+def merge_in_float32(m1, ell1, y1, m2, ell2, y2):
+    """Right to float32's precision: the statement asks for no dtype."""
+    m, ell, y = merge_reference(m1.float(), ell1.float(), y1.float(), m2.float(), ell2.float(),
+                                y2.float())
+    return m.to(m1.dtype), ell.to(ell1.dtype), y.to(y1.dtype)
 
 
 @right(C10)

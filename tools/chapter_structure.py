@@ -37,7 +37,7 @@ CHAPTER_DOC = re.compile(r"chapters/\d\d-[\w-]+$")  # a numbered chapter's docna
 # In the order of their imports: a module comes after those it imports (the setup cell imports
 # them one by one, fetching each that is missing).
 TEACHING_FILES = ("attention.py", "stored.py", "lookups.py", "position.py", "flash.py", "io_model.py",
-                  "transformer.py", "diagrams.py", "induction.py", "lm.py", "explorable.py")
+                  "decode_cost.py", "transformer.py", "diagrams.py", "induction.py", "lm.py", "explorable.py")
 CHECKING_FILE = "checking.py"
 CHECK_FILES = tuple(sorted(path.name for path in (ROOT / "code").glob("checks_*.py")))
 CODE_FILES = (*TEACHING_FILES, CHECKING_FILE, *CHECK_FILES)

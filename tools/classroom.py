@@ -127,6 +127,7 @@ NBGRADER_CONFIG = """\
 # each time it runs. Put settings of your own in course_config.py beside this file: it is read
 # last and never overwritten.
 import os
+import sys
 
 import nbgrader
 
@@ -140,6 +141,18 @@ c.Execute.timeout = 120
 # Feedback pages load the course's own MathJax (mathjax/), not a CDN, so math renders offline:
 # the template feedback_offline is nbgrader's feedback template with another mathjax() macro.
 c.HTMLExporter.template_name = "@TEMPLATE@"
+# Grading the answers cannot reach (grading/isolated_grading.py): the test cells are set aside
+# while nbgrader runs the notebook, then the answers run in a process of their own and the checks
+# in another, and each test cell's output is what they found.
+sys.path.insert(0, os.path.join(here, "grading"))
+from isolated_grading import GradeIsolated, HideTests  # noqa: E402
+from nbconvert.preprocessors import ClearMetadataPreprocessor  # noqa: E402
+from nbgrader.preprocessors import (  # noqa: E402
+    AssignLatePenalties, CheckCellMetadata, Execute, IgnorePattern, LimitOutput, SaveAutoGrades)
+
+c.Autograde.autograde_preprocessors = [
+    HideTests, Execute, GradeIsolated, IgnorePattern, ClearMetadataPreprocessor, LimitOutput,
+    SaveAutoGrades, AssignLatePenalties, CheckCellMetadata]
 c.HTMLExporter.extra_template_basedirs = [
     os.path.join(here, "templates"),
     os.path.join(os.path.dirname(nbgrader.__file__), "server_extensions", "formgrader",
@@ -185,6 +198,9 @@ def write_course_support(out: pathlib.Path) -> None:
     (template / "conf.json").write_text(json.dumps(
         {"base_template": "feedback", "mimetypes": {"text/html": True}}, indent=2) + "\n")
     (template / "mathjax.html.j2").write_text(FEEDBACK_MATHJAX)
+    (out / "grading").mkdir(exist_ok=True)
+    shutil.copyfile(pathlib.Path(__file__).with_name("isolated_grading.py"),
+                    out / "grading" / "isolated_grading.py")
     for name in offline_mathjax.files_to_copy():
         target = out / "mathjax" / name
         if not target.is_file():
@@ -220,6 +236,9 @@ def written_solution(exercise: structure.NotebookExercise) -> str:
     return "\n\n".join(part for part in parts if part)
 
 
+IMPORTS = "exercise-imports"  # the tag of a sheet's imports cell (locked in the course)
+
+
 def exercise_sheet(notebook):
     """The chapter cut down to what its exercises and their grading need: the title, the setup
     cell, the chapter's imports (its first code cell after the setup), a pointer to the chapter,
@@ -236,7 +255,9 @@ def exercise_sheet(notebook):
     pointer = nbformat.v4.new_markdown_cell(
         f"These are the exercises of the chapter *{title}*; read the chapter first, in the book "
         "or in its full notebook. The cell below imports what the exercises use.")
-    sheet = [copy.deepcopy(cells[0]), copy.deepcopy(setup), pointer, copy.deepcopy(imports),
+    imports = copy.deepcopy(imports)
+    imports.metadata.setdefault("tags", []).append(IMPORTS)
+    sheet = [copy.deepcopy(cells[0]), copy.deepcopy(setup), pointer, imports,
              first, *copy.deepcopy(cells[start + 1:end])]
     return nbformat.v4.new_notebook(cells=sheet, metadata=copy.deepcopy(notebook.metadata))
 
@@ -261,6 +282,8 @@ def nbgrader_source(notebook):
             new = copy.deepcopy(cell)
             if structure.CHECK in structure.tags(cell):
                 new.metadata.update(_meta("locked", structure.imported_checks(cell.source)[0]))
+            elif IMPORTS in structure.tags(cell):  # what the answers' process runs first
+                new.metadata.update(_meta("locked", f"imports-{index}"))
             elif structure.is_setup(cell):
                 new.metadata.update(_meta("locked", "setup"))
             cells.append(new)
@@ -293,9 +316,10 @@ def nbgrader_source(notebook):
 
 def graded_tests(calls: str, names: str) -> list[tuple[str, str, int]]:
     """(grade id, source, points) of the test cells that grade an answer: one per case of a
-    check of code/checks_<chapter>.py, worth that case's points. Each cell imports the check
-    itself (`from checks_x import check_x` then `check_x.grade("case", f)`), so that a check
-    redefined in an answer cell grades nothing."""
+    check of code/checks_<chapter>.py, worth that case's points: `from checks_x import check_x`
+    then `check_x.grade("case", f)`. In the student's notebook the cell gives feedback; when
+    nbgrader autogrades, isolated_grading.py sets it aside and grades the case in processes of
+    its own."""
     import sys
 
     if str(ROOT / "code") not in sys.path:
@@ -353,10 +377,12 @@ def assignment_note(notebook) -> str:
         "Where an exercise asks for a function you will find its signature and "
         "`raise NotImplementedError()`: replace that line with your code, keep the function's "
         "name and arguments, and run the check cell below it, which tells you what is wrong or "
-        "that every case passes. Every other exercise has an answer cell right below its "
-        "statement (`YOUR ANSWER HERE`): write your derivation, proof or conclusion there, "
-        "with your code in the cell below it where the exercise computes. Do not edit the locked cells (the first one, which makes the "
-        "book's code importable, and the cells that import the checks): "
+        "that every case passes (feedback only: your grade comes from grading your answer "
+        "cells again, apart from this notebook). Every other exercise has an answer cell right "
+        "below its statement (`YOUR ANSWER HERE`): write your derivation, proof or "
+        "conclusion there, with your code in the cell below it where the exercise computes. "
+        "Do not edit the locked cells (the first one, which makes the book's code importable, "
+        "the one that imports what the exercises use, and the cells that import the checks): "
         "grading restores them. When you are done, restart the kernel, run every cell from "
         "the top, save, and hand in this folder the way your course says (nbgrader's "
         "Assignments tab, or an upload).")
