@@ -59,9 +59,14 @@ student: $(STAMP)
 assignments: $(STAMP)
 	$(BIN)/python tools/classroom.py assignments $(COURSE)
 
-# nbgrader's steps with the book's environment, activated or not: make release A=03-scaling
+# nbgrader's steps with the book's environment, activated or not: make release A=03-scaling.
+# make autograde grades JOBS students at a time (default: every core), each for at most TIMEOUT
+# seconds, and only those whose submission changed since their last grading unless FORCE=1; with
+# SCHEDULER=tcp://host:port (or a scheduler file), on that Dask cluster's workers
+# (tools/autograde.py).
 release autograde feedback: $(STAMP)
-	$(BIN)/python tools/classroom.py $@ $(COURSE) $(A)
+	JOBS='$(JOBS)' TIMEOUT='$(TIMEOUT)' FORCE='$(FORCE)' SCHEDULER='$(SCHEDULER)' \
+	    $(BIN)/python tools/classroom.py $@ $(COURSE) $(A)
 
 grades: $(STAMP)
 	$(BIN)/python tools/classroom.py grades $(COURSE)

@@ -609,20 +609,13 @@ def course_command(course: pathlib.Path, command: str, assignment: str | None) -
     if command == "release":
         nbgrader(course, "generate_assignment", assignment, "--force")
         return f"{assignment}: released to {course / 'release' / assignment}"
-    if command == "autograde":
-        submitted = sorted(p.parent.name for p in course.glob(f"submitted/*/{assignment}"))
-        if not submitted:
-            raise SystemExit(f"no submissions: put each student's folder in "
-                             f"{course}/submitted/<student-id>/{assignment}/")
-        nbgrader(course, "autograde", assignment, "--force")
-        got = scores(course, assignment)
-        lines = [f"{assignment}: {len(got)} submission{'s' * (len(got) != 1)} autograded"]
-        lines += [f"  {student}: {row['auto']:g} of {row['max_auto']:g} points"
-                  for student, row in got.items()]
-        manual = max((row["max_manual"] for row in got.values()), default=0)
-        if manual:
-            lines.append(f"  and {manual:g} points each to grade by hand (nbgrader's formgrader)")
-        return "\n".join(lines)
+    if command == "autograde":  # side by side or on a Dask cluster: tools/autograde.py
+        import os
+
+        import autograde
+
+        return autograde.run(course, assignment, autograde.Options.from_environment(os.environ),
+                             say=lambda line: print(line, flush=True))
     if command == "feedback":
         nbgrader(course, "generate_feedback", assignment, "--force")
         pages = sorted(course.glob(f"feedback/*/{assignment}/*.html"))
