@@ -17,6 +17,9 @@ What is here, in the order the chapter "Induction heads" uses it:
 - ``previous_token_score`` and ``induction_score``, computed from attention weights;
   ``ablate``, a copy of a model with some heads' outputs zeroed; ``repeated_loss`` and
   ``copy_reference_loss``; ``evaluate``;
+- ``record_activation`` and ``patch_activation``: activation patching, one run's activation
+  at a named site put in place of another run's, by forward hooks (for ``AttentionOnly`` and
+  chapter "A language model"'s ``DecoderLM``);
 - ``train(config, seed)``, which returns the model and its log, and ``phase_change_step``;
 - ``save_run`` and ``load_run``: the runs that tools/models.py trains (``make models``) and
   the chapter loads, with their logs and the SHA-256 of their weights.
@@ -43,6 +46,7 @@ from torch import Tensor, nn
 
 import stored
 from attention import MultiHeadAttention
+from transformer import DecoderLM
 
 __all__ = [
     "Config",
@@ -57,6 +61,9 @@ __all__ = [
     "repeated_loss",
     "copy_reference_loss",
     "evaluate",
+    "SITES",
+    "record_activation",
+    "patch_activation",
     "ov_circuit",
     "copying_score",
     "train",
@@ -217,6 +224,9 @@ class AttentionOnly(nn.Module):
         nn.init.normal_(self.position.weight, std=0.02)
         self.layers = nn.ModuleList(MultiHeadAttention(D, config.n_heads, bias=False, dtype=DTYPE)
                                     for _ in range(config.n_layers))
+        # The residual stream that layer l reads (l = n_layers: the unembedding), passed
+        # through an identity that a forward hook can see (``patch_activation``); no weights.
+        self.streams = nn.ModuleList(nn.Identity() for _ in range(config.n_layers + 1))
         self.unembed = nn.Linear(D, config.vocab_size, bias=False, dtype=DTYPE)
 
     def stream(self, tokens: Tensor) -> Tensor:
@@ -228,11 +238,13 @@ class AttentionOnly(nn.Module):
         self._check_tokens(tokens)
         x = self.stream(tokens)  # (B, T, D)
         weights = []
-        for layer in self.layers:
+        for layer, seen in zip(self.layers, self.streams):
+            x = seen(x)  # the identity
             out, w = layer(x, x, x, is_causal=True)  # (B, T, D), (B, H, T, T)
             x = x + out
             weights.append(w)
-        return self.unembed(x), weights  # (B, T, vocab_size), [(B, H, T, T)] * n_layers
+        # (B, T, vocab_size), [(B, H, T, T)] * n_layers
+        return self.unembed(self.streams[-1](x)), weights
 
     def _check_tokens(self, tokens) -> None:
         c = self.config
@@ -361,6 +373,164 @@ def evaluate(model: AttentionOnly, sets: dict[str, Batch]) -> dict:
         "induction": [induction_score(w, train.first, train.second, train.length).tolist()
                       for w in weights],
     }
+
+
+# ---------------------------------------------------------------------------------------------
+# Activation patching
+
+
+SITES = ("stream", "query", "key", "value", "head")  # what ``site[0]`` may name
+
+
+def _attention_modules(model) -> list[MultiHeadAttention]:
+    if isinstance(model, AttentionOnly):
+        return list(model.layers)
+    if isinstance(model, DecoderLM):
+        return [block.self_attn for block in model.blocks]
+    raise ValueError(f"activation patching reads an AttentionOnly or a DecoderLM, got "
+                     f"{type(model).__name__}")
+
+
+def _hook_point(model, site) -> tuple[nn.Module, bool, int, Optional[slice]]:
+    """Where ``site`` is: the module to hook, whether its output (True, a forward hook) or
+    one of its inputs (False, a forward pre-hook) is the activation, which input, and the
+    slice of the last axis (a head's features) or None (all of it). Raises ValueError,
+    naming the model's sizes, for a site it does not have."""
+    attentions = _attention_modules(model)
+    n_layers, n_heads = len(attentions), attentions[0].num_heads
+    sizes = f"the model has {n_layers} layers of {n_heads} heads"
+    if not isinstance(site, tuple) or len(site) < 2 or site[0] not in SITES or \
+            len(site) != (3 if site[0] == "head" else 2):
+        raise ValueError(f"a site is (kind, layer) with kind one of {SITES[:4]}, or "
+                         f"('head', layer, head); got {site!r}")
+    kind, layer = site[0], site[1]
+    top = n_layers if kind == "stream" else n_layers - 1  # stream n_layers: the unembedding's
+    if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer <= top:
+        raise ValueError(f"site {site!r}: layer must lie in 0..{top}; {sizes}")
+    if kind == "stream":
+        if isinstance(model, AttentionOnly):
+            return model.streams[layer], True, 0, None
+        module = model.blocks[layer] if layer < n_layers else model.final_norm
+        return module, False, 0, None  # what the block (or the final norm) reads
+    attention = attentions[layer]
+    if kind != "head":
+        return attention, False, ("query", "key", "value").index(kind), None
+    head = site[2]
+    if isinstance(head, bool) or not isinstance(head, int) or not 0 <= head < n_heads:
+        raise ValueError(f"site {site!r}: head must lie in 0..{n_heads - 1}; {sizes}")
+    width = attention.head_dim  # the head's output, before W_O: its slice of out_proj's input
+    return attention.out_proj, False, 0, slice(head * width, (head + 1) * width)
+
+
+def _run_hooked(model, tokens: Tensor, site, change):
+    """``model(tokens)`` with ``change(activation)`` in place of the activation at ``site``
+    (``change`` may return it unchanged, having looked). The hook is removed afterwards, even
+    when the run raises."""
+    module, is_output, index, features = _hook_point(model, site)
+
+    def replace(value: Tensor) -> Tensor:
+        if features is None:
+            return change(value)
+        value = value.clone()
+        value[..., features] = change(value[..., features])
+        return value
+
+    if is_output:
+        handle = module.register_forward_hook(lambda mod, args, out: replace(out))
+    else:
+        def pre_hook(mod, args):
+            args = list(args)
+            args[index] = replace(args[index])
+            return tuple(args)
+        handle = module.register_forward_pre_hook(pre_hook)
+    try:
+        with torch.no_grad():
+            return model(tokens)
+    finally:
+        handle.remove()
+
+
+def record_activation(model, tokens: Tensor, site) -> Tensor:
+    """The activation at ``site`` when ``model`` (an ``AttentionOnly`` or a ``DecoderLM``)
+    reads ``tokens`` ``(B, T)``: ``(B, T, D)`` for a stream, a query, key or value input,
+    ``(B, T, d_h)`` for a head. The sites (``SITES``):
+
+    - ``("stream", l)``: the residual stream that layer (block) l reads; l = n_layers, the
+      stream the unembedding reads (in a pre-LN ``DecoderLM``, before the final norm);
+    - ``("query", l)``, ``("key", l)``, ``("value", l)``: what layer l's attention reads as
+      its queries, keys or values (in a pre-LN block, the normalised stream);
+    - ``("head", l, h)``: head h's output in layer l, before ``W_O`` mixes the heads."""
+    seen = []
+
+    def look(value: Tensor) -> Tensor:
+        seen.append(value.detach().clone())
+        return value
+
+    _run_hooked(model, tokens, site, look)
+    return seen[0]
+
+
+def _positions_mask(positions, B: int, T: int) -> Tensor:
+    """(B, T) boolean: True where the activation is patched."""
+    if positions is None:
+        return torch.ones(B, T, dtype=torch.bool)
+    if isinstance(positions, Tensor) and positions.dtype == torch.bool:
+        try:
+            return positions.expand(B, T)
+        except RuntimeError:
+            raise ValueError(f"a boolean positions mask must broadcast to (B, T) = {(B, T)}; "
+                             f"got {tuple(positions.shape)}") from None
+    index = torch.as_tensor(positions)
+    if index.dim() != 1 or index.is_floating_point() or index.numel() and not (
+            0 <= int(index.min()) and int(index.max()) < T):
+        raise ValueError(f"positions must be None, a boolean (B, T) mask or positions in "
+                         f"0..{T - 1}; got {positions!r}")
+    mask = torch.zeros(T, dtype=torch.bool)
+    mask[index] = True
+    return mask.expand(B, T)
+
+
+def patch_activation(model, source, target: Tensor, site, *, positions=None):
+    """Activation patching: what ``model`` returns on ``target`` tokens ``(B, T)`` when the
+    activation at ``site`` is replaced by the one from ``source``, at ``positions``.
+
+    ``model`` is an ``AttentionOnly`` (it returns ``(logits, weights)``) or a ``DecoderLM``
+    (logits); ``site`` is one of ``record_activation``'s. ``source`` is either integer tokens
+    of the same shape as ``target`` (the activation is recorded from ``model`` reading them),
+    or a floating tensor, the activation itself (from ``record_activation``, perhaps of another
+    model, such as an ``ablate``-d copy), of the shape the site has on ``target``.
+    ``positions``: None (every position), positions in 0..T-1, or a boolean mask broadcasting
+    to ``(B, T)``, True where the source's activation is used; elsewhere the target's own is
+    kept. Everything downstream of the site is recomputed; nothing upstream changes. Runs
+    without gradients; for comparable runs the model should be in eval mode (no dropout).
+
+    The loss of the patched run, against the loss of the two unpatched ones, says how much of
+    the difference between them passes through the site. Patching a run's activation into
+    itself returns the run's output exactly; patching all of ``("stream", 0)`` returns the
+    source's."""
+    if not isinstance(target, Tensor) or target.dim() != 2 or target.is_floating_point():
+        raise ValueError(f"target must be integer tokens (B, T); got "
+                         f"{tuple(target.shape) if isinstance(target, Tensor) else target!r}")
+    if not isinstance(source, Tensor):
+        raise ValueError(f"source must be tokens or an activation tensor, got "
+                         f"{type(source).__name__}")
+    if source.is_floating_point():
+        activation = source
+    elif source.shape != target.shape:
+        raise ValueError(f"source tokens {tuple(source.shape)} and target tokens "
+                         f"{tuple(target.shape)} must have the same shape")
+    else:
+        activation = record_activation(model, source, site)
+    B, T = target.shape
+    mask = _positions_mask(positions, B, T)[..., None]  # (B, T, 1)
+
+    def put(value: Tensor) -> Tensor:
+        if activation.shape != value.shape:
+            raise ValueError(f"the source's activation at {site!r} is "
+                             f"{tuple(activation.shape)}; the target's is {tuple(value.shape)}")
+        return torch.where(mask, activation.to(value.dtype), value)
+
+    return _run_hooked(model, target, site, put)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import shutil
 
 import pytest
@@ -321,3 +322,156 @@ def test_copying_score_is_one_for_a_copier_and_minus_one_for_its_opposite():
         ind.copying_score(torch.zeros(2, 3))
     with pytest.raises(ValueError, match="the model has 2 layers of 1 heads"):
         ind.ov_circuit(ind.AttentionOnly(ind.Config()), 2, 0)
+
+
+# --- activation patching --------------------------------------------------------------------
+
+from transformer import DecoderLM  # noqa: E402
+
+TWO_HEADS = ind.Config(n_heads=2)
+
+
+def decoder(seed=0):
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return DecoderLM(11, 10, 16, 2, 32, 3, dtype=torch.float64).eval()
+
+
+def sites(n_layers, n_heads):
+    return ([("stream", l) for l in range(n_layers + 1)]
+            + [(kind, l) for kind in ("query", "key", "value") for l in range(n_layers)]
+            + [("head", l, h) for l in range(n_layers) for h in range(n_heads)])
+
+
+def no_hooks_left(m):
+    return all(not mod._forward_hooks and not mod._forward_pre_hooks for mod in m.modules())
+
+
+def attention_only_cases():
+    m = model(TWO_HEADS)
+    tokens = ind.make_batch(5, TWO_HEADS, (3, 8), gen(20)).inputs
+    other = ind.make_batch(5, TWO_HEADS, (3, 8), gen(21)).inputs
+    return m, tokens, other, lambda out: out[0]
+
+
+def decoder_cases():
+    m = decoder()
+    tokens = torch.randint(0, 11, (4, 10), generator=gen(22))
+    other = torch.randint(0, 11, (4, 10), generator=gen(23))
+    return m, tokens, other, lambda out: out
+
+
+@pytest.mark.parametrize("cases", [attention_only_cases, decoder_cases])
+def test_patching_a_runs_own_activation_into_it_changes_nothing(cases):
+    m, tokens, _, logits_of = cases()
+    with torch.no_grad():
+        expected = logits_of(m(tokens))
+    n_layers = len(m.layers) if isinstance(m, ind.AttentionOnly) else len(m.blocks)
+    for site in sites(n_layers, 2):
+        numerics.assert_same(logits_of(ind.patch_activation(m, tokens, tokens, site)), expected)
+        recorded = ind.record_activation(m, tokens, site)  # the same, given as the activation
+        numerics.assert_same(logits_of(ind.patch_activation(m, recorded, tokens, site)), expected)
+    assert no_hooks_left(m)
+
+
+@pytest.mark.parametrize("cases", [attention_only_cases, decoder_cases])
+def test_patching_all_of_the_first_or_last_stream_reproduces_the_source_run(cases):
+    m, tokens, other, logits_of = cases()
+    with torch.no_grad():
+        source = logits_of(m(other))
+    n_layers = len(m.layers) if isinstance(m, ind.AttentionOnly) else len(m.blocks)
+    for layer in (0, n_layers):
+        patched = logits_of(ind.patch_activation(m, other, tokens, ("stream", layer)))
+        numerics.assert_same(patched, source)
+    if isinstance(m, ind.AttentionOnly):  # the attention weights too, from the first stream
+        _, weights = ind.patch_activation(m, other, tokens, ("stream", 0))
+        for w, expected in zip(weights, m(other)[1]):
+            numerics.assert_same(w, expected)
+
+
+@pytest.mark.parametrize("cases", [attention_only_cases, decoder_cases])
+def test_patching_where_the_two_runs_do_not_differ_changes_nothing(cases):
+    m, tokens, _, logits_of = cases()
+    late = tokens.clone()
+    late[:, 6:] = (tokens[:, 6:] + 1) % 11  # the runs differ from position 6 on
+    with torch.no_grad():
+        expected = logits_of(m(late))
+    n_layers = len(m.layers) if isinstance(m, ind.AttentionOnly) else len(m.blocks)
+    for site in sites(n_layers, 2):  # causal: positions 0..5 are the same in both runs
+        patched = ind.patch_activation(m, tokens, late, site, positions=range(6))
+        numerics.assert_same(logits_of(patched), expected)
+    # and the same site at a later position does change what follows it
+    patched = logits_of(ind.patch_activation(m, tokens, late, ("stream", 0), positions=[7]))
+    numerics.assert_same(patched[:, :7], expected[:, :7])
+    assert not numerics.close(patched, expected)
+
+
+def test_patching_a_head_or_the_keys_is_the_computation_by_hand():
+    m, tokens, other, _ = attention_only_cases()
+    layer0, layer1 = m.layers
+    with torch.no_grad():
+        def first_two(t):
+            x0 = m.stream(t)
+            return x0, x0 + layer0(x0, x0, x0, is_causal=True)[0]
+        x0, x1 = first_two(tokens)
+        # layer 1's keys from the other run's stream X1
+        _, x1_other = first_two(other)
+        out, w = layer1(x1, x1_other, x1, is_causal=True)
+        logits, weights = ind.patch_activation(m, other, tokens, ("key", 1))
+        numerics.assert_same(logits, m.unembed(x1 + out))  # the same computation
+        numerics.assert_same(weights[1], w)
+        # head 1 of layer 1 from the other run, head 0 from this one
+        def heads(x):
+            q, k, v = (layer1.split_heads(p(x)) for p in (layer1.q_proj, layer1.k_proj,
+                                                          layer1.v_proj))
+            return scaled_dot_product_attention(q, k, v, is_causal=True)[0]  # (B, 2, T, 16)
+        mixed = torch.stack([heads(x1)[:, 0], heads(x1_other)[:, 1]], dim=1)
+        expected = m.unembed(x1 + layer1.out_proj(layer1.merge_heads(mixed)))
+        logits, _ = ind.patch_activation(m, other, tokens, ("head", 1, 1))
+        torch.testing.assert_close(logits, expected)
+        recorded = ind.record_activation(m, other, ("head", 1, 1))
+        torch.testing.assert_close(recorded, layer1.merge_heads(heads(x1_other))[..., 16:])
+
+
+def test_positions_as_a_mask_or_a_list_are_the_same():
+    m, tokens, other, _ = attention_only_cases()
+    mask = torch.zeros(5, 24, dtype=torch.bool)
+    mask[:, [3, 9]] = True
+    by_list, _ = ind.patch_activation(m, other, tokens, ("head", 0, 1), positions=[3, 9])
+    by_mask, _ = ind.patch_activation(m, other, tokens, ("head", 0, 1), positions=mask)
+    by_row, _ = ind.patch_activation(m, other, tokens, ("head", 0, 1), positions=mask[0])
+    numerics.assert_same(by_list, by_mask)
+    numerics.assert_same(by_list, by_row)
+
+
+def test_the_hook_points_add_no_weights():
+    assert not any(k.startswith("streams") for k in model().state_dict())
+
+
+def test_bad_sites_and_shapes_are_refused_and_no_hook_is_left():
+    m, tokens, other, _ = attention_only_cases()
+    bad = {("stream", 3): "layer must lie in 0..2; the model has 2 layers of 2 heads",
+           ("key", 2): "layer must lie in 0..1; the model has 2 layers of 2 heads",
+           ("head", 1, 2): "head must lie in 0..1; the model has 2 layers of 2 heads",
+           ("head", 1): "a site is", ("weights", 0): "a site is", "key": "a site is"}
+    for site, message in bad.items():
+        with pytest.raises(ValueError, match=re.escape(message)):
+            ind.patch_activation(m, other, tokens, site)
+        with pytest.raises(ValueError, match=re.escape(message)):
+            ind.record_activation(m, tokens, site)
+    with pytest.raises(ValueError, match=re.escape("source tokens (5, 10) and target tokens "
+                                                   "(5, 24)")):
+        ind.patch_activation(m, other[:, :10], tokens, ("key", 1))
+    # an activation of the wrong shape is refused inside the run: the hook goes all the same
+    wrong = torch.zeros(5, 24, 16, dtype=torch.float64)
+    with pytest.raises(ValueError, match=re.escape("is (5, 24, 16); the target's is "
+                                                   "(5, 24, 32)")):
+        ind.patch_activation(m, wrong, tokens, ("key", 1))
+    with pytest.raises(ValueError, match="positions in 0..23"):
+        ind.patch_activation(m, other, tokens, ("key", 1), positions=[24])
+    with pytest.raises(ValueError, match=re.escape("broadcast to (B, T) = (5, 24)")):
+        ind.patch_activation(m, other, tokens, ("key", 1),
+                             positions=torch.ones(4, dtype=torch.bool))
+    with pytest.raises(ValueError, match="AttentionOnly or a DecoderLM"):
+        ind.patch_activation(torch.nn.Linear(2, 2), other, tokens, ("key", 1))
+    assert no_hooks_left(m)

@@ -13,8 +13,9 @@ Measures, on this machine, in one run:
   test file, the book tests' costly steps (the build, the browser visits, the notebooks alone,
   nbgrader, the PDF; tests/conftest.py records them) and, per chapter, its execution in the
   build, alone and under nbgrader (--skip-suite leaves this out);
-- nbgrader's autograde of one student's submission, per chapter, against 3x a kernel's start
-  (--skip-autograde leaves this out);
+- nbgrader's autograde of one student's submission, per chapter, against 3x a kernel's start,
+  and `make autograde`'s students per minute with 1, 2 and every core's JOBS (--skip-autograde
+  leaves both out);
 - the forward time of code/attention.py against PyTorch's math path of
   `scaled_dot_product_attention` and against `torch.nn.MultiheadAttention`, as ratios.
 The table is printed and written to _build/bench.md, headed by the date, the commit and the
@@ -155,6 +156,36 @@ def autograde_seconds() -> dict[str, float]:
             classroom.nbgrader(course, "autograde", name, "--force")
             times[name] = (time.perf_counter() - start) / AUTOGRADE_STUDENTS
     return times
+
+
+THROUGHPUT_CHAPTER = "05-masking"  # the chapter `make test` grades through nbgrader
+THROUGHPUT_STUDENTS = 6
+THROUGHPUT_BUDGET = 1.6  # two workers grade at least 1.6 times as many students as one
+
+
+def autograde_throughput() -> dict[int, float]:
+    """{JOBS: students per minute} of `make autograde` (tools/autograde.py) on
+    THROUGHPUT_STUDENTS copies of THROUGHPUT_CHAPTER's reference solution, every student graded
+    again (FORCE) with 1, 2 and every core's worth of JOBS."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import autograde
+    import classroom
+
+    rates = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        course = pathlib.Path(tmp)
+        classroom.write_assignments(course)
+        name = THROUGHPUT_CHAPTER
+        classroom.nbgrader(course, "generate_assignment", name, "--force")
+        for student in range(THROUGHPUT_STUDENTS):
+            shutil.copytree(course / "source" / name,
+                            course / "submitted" / f"student{student}" / name)
+        for jobs in sorted({1, 2, os.cpu_count() or 1}):
+            start = time.perf_counter()
+            autograde.run(course, name, autograde.Options(jobs, autograde.DEFAULT_TIMEOUT, True),
+                          say=lambda line: None)
+            rates[jobs] = THROUGHPUT_STUDENTS / (time.perf_counter() - start) * 60
+    return rates
 
 
 EXPLORABLE = re.compile(r'<div class="explorable" id="[^"]+">.*?</div>', re.S)
@@ -318,6 +349,17 @@ def main() -> None:
               for name, sec in times.items()],
             f"| a class of 200, all chapters, one after another | "
             f"{200 * sum(times.values()) / 3600:.1f} h | | |",
+            "",
+        ]
+        rates = autograde_throughput()
+        lines += [
+            f"| `make autograde`, {THROUGHPUT_STUDENTS} students of {THROUGHPUT_CHAPTER} | "
+            "students/min | s per student / floor |", "| --- | ---: | ---: |",
+            *[f"| JOBS={jobs} | {rate:.1f} | {60 / rate / floor:.2f} |"
+              for jobs, rate in rates.items()],
+            f"| budget: JOBS=2 at least {THROUGHPUT_BUDGET}x JOBS=1 | | "
+            f"{'met' if rates.get(2, 0) >= THROUGHPUT_BUDGET * rates[1] else 'NOT met'} "
+            f"({rates.get(2, 0) / rates[1]:.2f}x) |",
             "",
         ]
     lines += ["| forward pass (CPU, 1 thread, no grad, best of 30) | module ms | PyTorch ms | ratio |",
