@@ -143,6 +143,10 @@ SOFTMAX_ALIASES = {  # class 1: another name for a softmax, (z, dim) -> weights
     "exp(z - torch.logcumsumexp(z)[last])": lambda z, dim: torch.exp(
         z - torch.logcumsumexp(z, dim).narrow(dim, z.shape[dim] - 1, 1)),
     "a softmax written in NumPy on Tensor.numpy()": lambda z, dim: _numpy_softmax(z, dim),
+    "a softmax in NumPy on an array made from tolist()": lambda z, dim: _tolist_softmax(z, dim),
+    "a softmax in NumPy on numpy.from_dlpack": lambda z, dim: _dlpack_softmax(z, dim),
+    "softplus folding the log-sum-exp (logaddexp by another name)": lambda z, dim: _softplus_softmax(z, dim),
+    "the book's flash.flash_attention as a softmax": lambda z, dim: _flash_softmax(z, dim),
 }
 
 
@@ -157,10 +161,45 @@ def _decomposed_softmax(z, dim):
 
 
 def _numpy_softmax(z, dim):
+    return _numpy_from(z.detach().numpy(), z, dim)
+
+
+def _numpy_from(a, like, dim):
+    """A softmax along `dim` computed in NumPy on the array a, back as a tensor like `like`."""
     import numpy
-    a = z.detach().numpy()
     e = numpy.exp(a - a.max(axis=dim, keepdims=True))
-    return torch.from_numpy(e / e.sum(axis=dim, keepdims=True))
+    return torch.from_numpy(e / e.sum(axis=dim, keepdims=True)).to(like.dtype)
+
+
+def _tolist_softmax(z, dim):
+    import numpy
+    return _numpy_from(numpy.array(z.detach().double().tolist()), z, dim)
+
+
+def _dlpack_softmax(z, dim):
+    import numpy
+    return _numpy_from(numpy.from_dlpack(z.detach().double().contiguous()), z, dim)
+
+
+def _softplus_softmax(z, dim):
+    """exp(z - lse), the log-sum-exp folded key by key with softplus: log(e^a + e^b) is
+    a + softplus(b - a), logaddexp in another name."""
+    z = z.movedim(dim, -1)
+    lse = z[..., :1]
+    for j in range(1, z.shape[-1]):
+        lse = lse + F.softplus(z[..., j:j + 1] - lse)
+    return torch.exp(z - lse).movedim(-1, dim)
+
+
+def _flash_softmax(z, dim):
+    """The book's flash.flash_attention as a softmax: one query of ones, the scores as keys
+    of width 1, identity values."""
+    import flash
+    z = z.movedim(dim, -1)
+    q = torch.ones(*z.shape[:-1], 1, 1, dtype=z.dtype)
+    out = flash.flash_attention(q, z.unsqueeze(-1), torch.eye(z.shape[-1], dtype=z.dtype),
+                                scale=1.0)
+    return out.squeeze(-2).movedim(-1, dim)
 
 
 def captured(target: Callable, label: str) -> dict[str, Callable]:

@@ -72,11 +72,12 @@ def grade_many(answers: dict[str, str], *, scan: bool = True,
     return result
 
 
-def grade(source: str, *, scan: bool = True) -> tuple[int, dict]:
+def grade(source: str, *, scan: bool = True, check: str = CHECK,
+          name: str = "stable_softmax") -> tuple[int, dict]:
     """(points, verdict) of one answer cell, graded alone."""
-    found = checking.find_check(CHECK)
-    tests = [{"grade_id": title, "module": found.module, "check": CHECK, "title": title,
-              "names": ["stable_softmax"]} for title in found.cases]
+    found = checking.find_check(check)
+    tests = [{"grade_id": title, "module": found.module, "check": check, "title": title,
+              "names": [name]} for title in found.cases]
     job = {"files": CODE, "cells": [(0, PRELUDE, False, "imports-0"),
                                     (1, source, True, "answer cell stable_softmax")],
            "tests": tests, "timeout": 60, "scan": scan}
@@ -97,7 +98,7 @@ found = checking.find_check(%r)
 earned = 0
 for title, (_, worth, _) in list(found.cases.items()):
     try:
-        found.grade(title, namespace["stable_softmax"])
+        found.grade(title, namespace[%r])
         earned += worth
     except AssertionError:
         pass
@@ -105,14 +106,15 @@ print(json.dumps(earned))
 """
 
 
-def in_process(source: str) -> int:
+def in_process(source: str, check: str = CHECK, name: str = "stable_softmax") -> int:
     """The points the same answer earns from the check run in its own process, as in a
     student's notebook (a fresh Python, since the attack changes what it reaches)."""
     import json
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-c", IN_PROCESS % CHECK], input=source, text=True,
+    proc = subprocess.run([sys.executable, "-c", IN_PROCESS % (check, name)], input=source,
+                          text=True,
                           capture_output=True, cwd=ROOT / "code", check=True,
                           env={**__import__("os").environ, "PYTHONPATH": str(ROOT / "code")})
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -368,6 +370,37 @@ def test_a_right_answer_in_an_unusual_style_keeps_every_point(plain_answers, sty
     points, messages = plain_answers[style]
     assert points == FULL, messages
     assert plain_answers["flags"] == []  # none of these answers is flagged
+
+
+DEFERRED_FLOAT = _d("""
+    class Later:
+        \"\"\"A variance measured only when the check converts it to a float.\"\"\"
+
+        def __init__(self, d_k, n, sigma, seed, scaled):
+            self.args = d_k, n, sigma, seed, scaled
+
+        def __float__(self):
+            d_k, n, sigma, seed, scaled = self.args
+            torch.manual_seed(seed)  # the global generator, reseeded after the check looked
+            scores = (sigma * torch.randn(n, d_k) * sigma * torch.randn(n, d_k)).sum(-1)
+            return float((scores / d_k ** 0.5 if scaled else scores).var())
+
+    def score_variance(d_k, n, sigma, generator):
+        seed = generator.initial_seed()
+        return Later(d_k, n, sigma, seed, False), Later(d_k, n, sigma, seed, True)
+    """)
+
+
+def test_work_deferred_into_a_float_conversion_is_recorded():
+    """Chapter 3's exercise rules out reseeding PyTorch's global generator. In one process the
+    reseeding deferred into __float__ runs when the check reads the number, after the
+    recording, and the answer earns points; graded apart, the answer's process converts its
+    results under the recording, so the reseeding is seen."""
+    assert in_process(DEFERRED_FLOAT, "check_score_variance", "score_variance") > 0
+    points, verdict = grade(DEFERRED_FLOAT, scan=False, check="check_score_variance",
+                            name="score_variance")
+    assert points == 0, verdict["results"]
+    assert any("torch.manual_seed" in (m or "") for m in verdict["results"].values())
 
 
 def test_an_endless_loop_costs_its_own_points_only():
