@@ -361,12 +361,16 @@ def decoder_cases():
     return m, tokens, other, lambda out: out
 
 
+def layers_of(m) -> int:
+    return len(m.layers) if isinstance(m, ind.AttentionOnly) else len(m.blocks)
+
+
 @pytest.mark.parametrize("cases", [attention_only_cases, decoder_cases])
 def test_patching_a_runs_own_activation_into_it_changes_nothing(cases):
     m, tokens, _, logits_of = cases()
     with torch.no_grad():
         expected = logits_of(m(tokens))
-    n_layers = len(m.layers) if isinstance(m, ind.AttentionOnly) else len(m.blocks)
+    n_layers = layers_of(m)
     for site in sites(n_layers, 2):
         numerics.assert_same(logits_of(ind.patch_activation(m, tokens, tokens, site)), expected)
         recorded = ind.record_activation(m, tokens, site)  # the same, given as the activation
@@ -379,7 +383,7 @@ def test_patching_all_of_the_first_or_last_stream_reproduces_the_source_run(case
     m, tokens, other, logits_of = cases()
     with torch.no_grad():
         source = logits_of(m(other))
-    n_layers = len(m.layers) if isinstance(m, ind.AttentionOnly) else len(m.blocks)
+    n_layers = layers_of(m)
     for layer in (0, n_layers):
         patched = logits_of(ind.patch_activation(m, other, tokens, ("stream", layer)))
         numerics.assert_same(patched, source)
@@ -396,7 +400,7 @@ def test_patching_where_the_two_runs_do_not_differ_changes_nothing(cases):
     late[:, 6:] = (tokens[:, 6:] + 1) % 11  # the runs differ from position 6 on
     with torch.no_grad():
         expected = logits_of(m(late))
-    n_layers = len(m.layers) if isinstance(m, ind.AttentionOnly) else len(m.blocks)
+    n_layers = layers_of(m)
     for site in sites(n_layers, 2):  # causal: positions 0..5 are the same in both runs
         patched = ind.patch_activation(m, tokens, late, site, positions=range(6))
         numerics.assert_same(logits_of(patched), expected)

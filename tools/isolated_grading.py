@@ -43,6 +43,7 @@ from __future__ import annotations
 import ast
 import builtins
 import contextlib
+import functools
 import io
 import json
 import os
@@ -141,10 +142,9 @@ def outbound(obj, grad_inputs: list, generators: list):
     if isinstance(obj, torch.nn.Module):
         grad_inputs.extend(p for p in obj.parameters() if p.requires_grad)
         return obj
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(outbound(item, grad_inputs, generators) for item in obj) \
-            if type(obj) in (tuple, list) else tuple(outbound(item, grad_inputs, generators)
-                                                     for item in obj)
+    if isinstance(obj, (tuple, list)):  # a named tuple as a plain one
+        items = [outbound(item, grad_inputs, generators) for item in obj]
+        return items if isinstance(obj, list) else tuple(items)
     if isinstance(obj, dict):
         return {key: outbound(value, grad_inputs, generators) for key, value in obj.items()}
     return obj
@@ -486,16 +486,19 @@ def _checking():
     return checking
 
 
+@functools.lru_cache(maxsize=None)
+def _isolated(base: type) -> type:
+    """RemoteFunction as a subclass of checking.IsolatedAnswer (checking is imported from the
+    course's folder only in the check's process), made once."""
+    return type("RemoteFunction", (RemoteFunction, base), {})
+
+
 class RemoteFunction:
     """An answer's function in the check's process: calls go to the answer's process."""
 
     def __new__(cls, *args, **kwargs):
-        # a subclass of checking.IsolatedAnswer, made when first used (checking is imported
-        # from the course's folder by then)
         base = _checking().IsolatedAnswer
-        if not issubclass(cls, base):
-            cls = type("RemoteFunction", (RemoteFunction, base), {})
-        return object.__new__(cls)
+        return object.__new__(cls if issubclass(cls, base) else _isolated(base))
 
     def __init__(self, process: AnswerProcess, name: str, parameters):
         import inspect
