@@ -11,9 +11,13 @@ import sys
 import threading
 import time
 
-import pytest
+# Before anything imports nbformat: jsonschema's rfc3987_syntax would build 38 parsers, 2 s of
+# each test process (tools/build_book.py, skip_iri_parsers, says why).
+sys.modules.setdefault("rfc3987_syntax", None)
 
-from site_browser import toc_docs  # noqa: F401  (the tests import it from here)
+import pytest  # noqa: E402
+
+from site_browser import toc_docs  # noqa: E402, F401  (the tests import it from here)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -74,17 +78,23 @@ def build(tmp_path_factory):
         return 0, "", pathlib.Path(reuse).resolve()
     with timed("the book's strict build"):
         built = build_book(tmp_path_factory.mktemp("book"))
+    for name, seconds in execution_times(built[2]).items():
+        record_time("chapter executed in the build", seconds, name)
+    return built
+
+
+def execution_times(build_dir: pathlib.Path) -> dict[str, float]:
+    """{page name: seconds} of each page's execution in the build at `build_dir`, as myst-nb
+    measured it ({} if the build kept no record)."""
     import pickle
 
-    environment = built[2] / ".doctrees" / "environment.pickle"
-    if environment.is_file():  # each chapter's execution, as myst-nb measured it
-        with open(environment, "rb") as handle:
-            metadata = pickle.load(handle).nb_metadata
-        for doc, data in metadata.items():
-            if data.get("exec_data"):
-                record_time("chapter executed in the build", data["exec_data"]["runtime"],
-                            doc.split("/")[-1])
-    return built
+    environment = build_dir / ".doctrees" / "environment.pickle"
+    if not environment.is_file():
+        return {}
+    with open(environment, "rb") as handle:
+        metadata = pickle.load(handle).nb_metadata
+    return {doc.split("/")[-1]: data["exec_data"]["runtime"]
+            for doc, data in metadata.items() if data.get("exec_data")}
 
 
 @pytest.fixture(scope="session")

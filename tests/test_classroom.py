@@ -23,7 +23,7 @@ import pytest
 import chapter_structure as structure
 import classroom
 import explorable
-from conftest import timed
+from conftest import execution_times, timed
 
 ROOT = classroom.ROOT
 MD = classroom.numbered_chapters()
@@ -673,8 +673,11 @@ def test_every_notebook_runs_alone_as_in_colab_and_prints_what_the_book_shows(bu
             notebook, glued = run_alone(path, folder)
         return path.stem, (notebook, glued, sorted(p.name for p in folder.iterdir()))
 
+    # the slowest first (as the build measured them), so that the last left are quick ones
+    took = execution_times(out)
+    slowest_first = sorted(NOTEBOOKS, key=lambda path: -took.get(path.stem, 0.0))
     with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        results = dict(pool.map(run, NOTEBOOKS))
+        results = dict(pool.map(run, slowest_first))
     differ = []
     for name, (notebook, glued, files) in results.items():
         assert "attention.py" in files, f"{name}: attention.py was not fetched"

@@ -448,3 +448,42 @@ def test_nbgrader_autograde_steps_are_the_ones_the_course_extends():
     assert [n for n in names if n not in ("HideTests", "GradeIsolated")] == default
     assert names.index("HideTests") < names.index("Execute") < names.index("GradeIsolated") \
         < names.index("SaveAutoGrades")
+
+
+def _gone(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    with open(f"/proc/{pid}/stat") as stat:  # a zombie, not yet reaped, is gone too
+        return stat.read().split(")")[-1].split()[0] == "Z"
+
+
+def test_grading_started_beside_the_kernel_keeps_its_time_limit():
+    """HideTests starts the check's process before nbgrader's kernel runs the notebook and
+    GradeIsolated collects its verdict (the nbgrader tests of test_classroom.py grade real
+    submissions so). Its time limit counts from the start: answer cells that never finish cost
+    every case and the process group (the answer's process with it) is killed; a grading never
+    collected is stopped when the grading process exits."""
+    found = checking.find_check(CHECK)
+    tests = [{"grade_id": title, "module": found.module, "check": CHECK, "title": title,
+              "names": ["stable_softmax"]} for title in found.cases]
+
+    def job(source):
+        return {"files": CODE, "cells": [(0, PRELUDE, False, "imports-0"),
+                                         (1, source, True, "answer cell stable_softmax")],
+                "tests": tests, "timeout": 60}
+
+    stuck = grading.CheckProcess(job("while True:\n    pass\n"), timeout=8)
+    verdict = stuck.verdict()
+    assert set(verdict["results"].values()) == {"grading took longer than 8 s"}
+    assert _gone(stuck.process.pid) and stuck not in grading._RUNNING
+
+    forgotten = grading.CheckProcess(job(RIGHT), timeout=300)
+    assert forgotten in grading._RUNNING
+    grading._stop_running()
+    forgotten.thread.join(30)
+    assert not forgotten.thread.is_alive() and _gone(forgotten.process.pid)
+    assert forgotten.verdict()["results"] != dict.fromkeys(found.cases)  # stopped, not graded

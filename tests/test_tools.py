@@ -103,9 +103,17 @@ def test_rfc3987_syntax_still_builds_its_parsers_when_imported():
         "print(len(built))\n")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert int(out.stdout) > 1, "rfc3987_syntax now builds its parsers lazily: drop the line"
+    import autograde
+    import build_book
     import chapter_structure
+    import classroom
 
-    assert 'sys.modules.setdefault("rfc3987_syntax", None)' in chapter_structure.SETUP_TEMPLATE
+    line = 'sys.modules.setdefault("rfc3987_syntax", None)'
+    for text in (chapter_structure.SETUP_TEMPLATE, autograde.LAUNCH, classroom.RUN_NBGRADER,
+                 (ROOT / "tests" / "conftest.py").read_text()):
+        assert line in text
+    build_book.skip_iri_parsers()  # the build's, and this process's (conftest.py's) block
+    assert sys.modules["rfc3987_syntax"] is None
 
 
 def test_jupyter_book_cli_still_has_no_jobs_option():

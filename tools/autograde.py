@@ -120,6 +120,7 @@ if sys.platform == "linux":
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
     if os.getppid() != int(sys.argv[1]):
         sys.exit("the process that started nbgrader has ended")
+sys.modules.setdefault("rfc3987_syntax", None)  # 2 s of parsers (tools/build_book.py says why)
 sys.argv = ["nbgrader", *sys.argv[2:]]
 runpy.run_module("nbgrader", run_name="__main__", alter_sys=True)
 """

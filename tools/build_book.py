@@ -94,8 +94,20 @@ def one_page_per_chunk() -> None:
     sphinx.builders.make_chunks = make_chunks
 
 
+def skip_iri_parsers() -> None:
+    """jsonschema, which nbformat imports (and myst-nb imports nbformat), imports
+    rfc3987_syntax if it is installed, for an IRI format check that nothing here uses, and that
+    builds 38 Lark parsers at import: 2 s of one core before the build starts. Marked missing,
+    jsonschema goes without it, as where it is not installed. The chapters' setup cell, the test
+    processes (tests/conftest.py) and nbgrader's (tools/classroom.py, tools/autograde.py) do the
+    same. Upstream: parsers built when first used; tests/test_tools.py fails when
+    rfc3987_syntax builds them lazily."""
+    sys.modules.setdefault("rfc3987_syntax", None)
+
+
 def patch(jobs: int) -> None:
     """Every patch the build needs, applied before Jupyter Book starts Sphinx."""
+    skip_iri_parsers()
     pass_jobs(jobs)
     declare_multitoc_numbering_parallel_safe()
     merge_proof_domain()

@@ -558,6 +558,15 @@ def write_assignments(out: pathlib.Path) -> list[pathlib.Path]:
 PORT_RACE_TRIES = 3
 
 
+# `python -m nbgrader`, without the 2 s of parsers that jsonschema's rfc3987_syntax builds at
+# import for a check nbgrader never makes (tools/build_book.py, skip_iri_parsers, says why)
+RUN_NBGRADER = """import runpy, sys
+sys.modules.setdefault("rfc3987_syntax", None)
+sys.argv = ["nbgrader", *sys.argv[1:]]
+runpy.run_module("nbgrader", run_name="__main__", alter_sys=True)
+"""
+
+
 def nbgrader(course: pathlib.Path, *args: str) -> str:
     """Run one nbgrader command in ``course`` with this environment, activated or not.
 
@@ -571,8 +580,8 @@ def nbgrader(course: pathlib.Path, *args: str) -> str:
     bin_dir = pathlib.Path(sys.executable).parent
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
     for _ in range(PORT_RACE_TRIES):
-        proc = subprocess.run([sys.executable, "-m", "nbgrader", *args], cwd=course, env=env,
-                              capture_output=True, text=True)
+        proc = subprocess.run([sys.executable, "-c", RUN_NBGRADER, *args], cwd=course,
+                              env=env, capture_output=True, text=True)
         log = proc.stdout + proc.stderr
         if proc.returncode == 0 or "Address already in use" not in log:
             break

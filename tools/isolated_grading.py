@@ -31,7 +31,9 @@ How a notebook is graded (`grade`):
    of the answer's functions. What comes back is read with `torch.load(weights_only=True)`,
    which builds tensors, numbers, strings and containers only.
 
-Both are started by the grading process, which waits for the check's result with a time limit.
+Both are started by the grading process as `HideTests` runs, so they grade while nbgrader's
+kernel runs the notebook (on a machine with a core to spare, a student's grading takes about as
+long as that run alone); `GradeIsolated` waits for the check's result, with a time limit.
 What this does not guard against: the answer's process runs as the same user, so an answer could
 write to files elsewhere on the machine (grade in a container or as another user for that); and
 the scan reads the source, so code it does not recognise (an obfuscation it has no pattern for)
@@ -839,12 +841,18 @@ def _preprocessors():
         enabled = Bool(True).tag(config=True)  # nbconvert's preprocessors are off by default
 
         def preprocess(self, nb, resources):
-            course_code(_source_folder(self, resources))  # read before the kernel runs
+            folder = _source_folder(self, resources)
+            course_code(folder)  # read before the kernel runs
             for cell in nb.cells:
                 meta = cell.metadata.get("nbgrader", {})
                 if meta.get("grade") and not meta.get("solution") and cell.cell_type == "code":
                     cell.metadata[HIDDEN_KEY] = cell.source
                     cell.source = HIDDEN_SOURCE
+            # The grading needs nothing the kernel's run makes: it starts now and runs beside
+            # the kernel (GradeIsolated collects it, or grades afresh if the job changed).
+            settings = self.config.get("GradeIsolated", {})
+            job = _job(nb, folder, settings.get("call_timeout", CALL_TIMEOUT))
+            resources[STARTED_KEY] = CheckProcess(job, settings.get("timeout", GRADING_TIMEOUT))
             return nb, resources
 
     class GradeIsolated(Preprocessor):
@@ -862,11 +870,14 @@ def _preprocessors():
             import nbformat
 
             tests = graded_cells(nb)
-            job = {"files": course_code(_source_folder(self, resources)),
-                   "cells": _answer_cells(nb),
-                   "tests": [{k: v for k, v in t.items() if k != "index"} for t in tests],
-                   "timeout": self.call_timeout}
-            verdict = run_check_process(job, self.timeout)
+            job = _job(nb, _source_folder(self, resources), self.call_timeout)
+            started = resources.pop(STARTED_KEY, None)
+            if started is not None and started.job == job:
+                verdict = started.verdict()
+            else:
+                if started is not None:
+                    started.stop()
+                verdict = CheckProcess(job, self.timeout).verdict()
             student = resources["nbgrader"].get("student")
             for flag in verdict["flags"]:
                 self.log.warning("%s: %s", student, flag)
@@ -899,30 +910,76 @@ def _preprocessors():
     return HideTests, GradeIsolated
 
 
-def run_check_process(job: dict, timeout: float) -> dict:
-    """The check's process for one notebook: the job in on stdin, the verdict out on stdout.
-    It and the answer's process it starts form a process group of their own, killed whole
-    when the time is up."""
-    import signal
+def _job(nb, folder: pathlib.Path, call_timeout: float) -> dict:
+    """What the check's process needs for one notebook: the course's code, the answer's cells
+    and the test cells (all known before the kernel runs the notebook)."""
+    return {"files": course_code(folder), "cells": _answer_cells(nb),
+            "tests": [{k: v for k, v in t.items() if k != "index"} for t in graded_cells(nb)],
+            "timeout": call_timeout}
 
-    process = subprocess.Popen([sys.executable, __file__, "check"], stdin=subprocess.PIPE,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               start_new_session=True)
-    try:
-        out, err = process.communicate(json.dumps(job), timeout=timeout)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-        process.communicate()
-        reason = f"grading took longer than {timeout:g} s"
-    else:
-        with contextlib.suppress(ProcessLookupError):  # an answer's process left behind
-            os.killpg(process.pid, signal.SIGKILL)
+
+STARTED_KEY = "isolated_grading"  # in nbconvert's resources, from HideTests to GradeIsolated
+_RUNNING: set = set()  # check processes not yet collected, stopped at exit
+
+
+class CheckProcess:
+    """The check's process for one notebook, started at once: the job in on stdin, the verdict
+    out on stdout, read by a thread so that the process never waits on a full pipe. It and the
+    answer's process it starts form a process group of their own, killed whole when the time
+    (`timeout` seconds from the start) is up or the verdict is in."""
+
+    def __init__(self, job: dict, timeout: float):
+        import threading
+
+        self.job, self.timeout, self.result = job, timeout, None
+        self.process = subprocess.Popen([sys.executable, __file__, "check"],
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, text=True,
+                                        start_new_session=True)
+        _RUNNING.add(self)
+        self.thread = threading.Thread(target=self._communicate, daemon=True)
+        self.thread.start()
+
+    def _communicate(self) -> None:
         try:
-            return json.loads(out.strip().splitlines()[-1])
+            out, err = self.process.communicate(json.dumps(self.job), timeout=self.timeout)
+        except subprocess.TimeoutExpired:
+            self.stop()
+            self.process.communicate()
+            self.result = f"grading took longer than {self.timeout:g} s"
+            return
+        except Exception as err:  # noqa: BLE001 (a pipe closed by stop(): no verdict)
+            self.result = f"the grading failed: {err}"
+            return
+        self.stop()  # an answer's process left behind
+        try:
+            self.result = json.loads(out.strip().splitlines()[-1])
         except (json.JSONDecodeError, IndexError):
-            reason = f"the grading failed: {err.strip()[-2000:]}"
-    return {"results": {t["grade_id"]: reason for t in job["tests"]}, "flags": [], "errors": {}}
+            self.result = f"the grading failed: {err.strip()[-2000:]}"
+
+    def stop(self) -> None:
+        import signal
+
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        _RUNNING.discard(self)
+
+    def verdict(self) -> dict:
+        self.thread.join()
+        if isinstance(self.result, dict):
+            return self.result
+        return {"results": {t["grade_id"]: self.result for t in self.job["tests"]},
+                "flags": [], "errors": {}}
+
+
+def _stop_running() -> None:
+    for started in list(_RUNNING):
+        started.stop()
+
+
+import atexit  # noqa: E402
+
+atexit.register(_stop_running)
 
 
 def __getattr__(name):  # HideTests and GradeIsolated, made on first use (nbconvert imported)
