@@ -9,7 +9,7 @@ as soon as the elements held at once would exceed ``M``. This is the model of th
 FlashAttention (Dao et al., 2022, Section 3.2 and Appendix C), where an algorithm's cost is its
 number of slow-memory accesses.
 
-Four algorithms run on it, each computing the real result (tests compare it with attention and
+Five algorithms run on it, each computing the real result (tests compare it with attention and
 with autograd), so that the counts are those of a computation that works:
 
 ``standard_forward``
@@ -24,11 +24,16 @@ with autograd), so that the counts are those of a computation that works:
 ``flash_backward(order="keys")``
     the loop order of the FlashAttention kernels: key blocks outside; dK, dV stay in fast
     memory, and dQ goes to slow memory and back.
+``flash_decode_forward``
+    Flash-Decoding (``flash.flash_decode``): the few newest queries of H heads against a cache
+    of G key-value heads, the keys cut into parts, one worker per part and key-value head (or,
+    unpacked, per query head), the parts' states merged by a second pass. Its tensors carry
+    a head axis: Q (H, L, E), K (G, S, E), V (G, S, Ev).
 
 A temporary that lives within one statement (a product added at once into an accumulator, a
 tile of scores before it is masked) is not counted against ``M``: a kernel computes it element
 by element in registers. Reads and writes are always counted. Shapes: L queries, S keys, E = d_k, Ev = d_v;
-one head, 2-D tensors.
+one head, 2-D tensors, except in the decoding pass, which has a head axis in front.
 """
 
 from __future__ import annotations
@@ -39,11 +44,12 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from flash import _causal_fill, _key_tiles
+from flash import _causal_fill, _key_tiles, decode_splits
 
 __all__ = ["TwoLevelMemory", "standard_forward", "flash_forward", "flash_backward",
            "flash_blocks", "standard_blocks", "standard_counts", "flash_forward_counts",
-           "flash_backward_counts"]
+           "flash_backward_counts", "decode_blocks", "flash_decode_forward",
+           "flash_decode_counts"]
 
 
 class TwoLevelMemory:
@@ -140,6 +146,20 @@ def standard_blocks(M: int, E: int, Ev: Optional[int] = None) -> tuple[int, int]
         raise ValueError(f"a fast memory of M={M} elements cannot hold one query row and one "
                          f"key for E={E}, Ev={Ev}")
     return rows, cols
+
+
+def decode_blocks(M: int, rows: int, E: int, Ev: Optional[int] = None) -> int:
+    """Keys per block for a worker of ``flash_decode_forward`` that holds ``rows`` query rows
+    (``H // G * L`` packed, ``L`` unpacked) in a fast memory of M elements: as in
+    ``flash_blocks``, each row holds its query (E), its unnormalised output (Ev), five numbers of
+    state and its row of the tile, beside the block's keys and values (E + Ev each)."""
+    Ev = E if Ev is None else Ev
+    cols = (M - rows * (E + Ev + 5)) // (rows + E + Ev)
+    if cols < 1:
+        raise ValueError(f"a fast memory of M={M} elements cannot hold {rows} query rows, one "
+                         f"key and their state for E={E}, Ev={Ev}: it needs at least "
+                         f"{rows * (E + Ev + 6) + E + Ev} elements")
+    return cols
 
 
 # --------------------------------------------------------------------- algorithms
@@ -255,6 +275,93 @@ def flash_forward(mem: TwoLevelMemory, block_rows: int, block_cols: int, *,
         mem.write("Y", slice(i0, i1), y)
         mem.write("lse", slice(i0, i1), lse)
         mem.free(q, m, ell, y, lse)
+
+
+def flash_decode_forward(mem: TwoLevelMemory, block_cols: int, *, num_splits: int = 1,
+                         packed: bool = True, scale: Optional[float] = None) -> None:
+    """Flash-Decoding on ``mem``: slow Q (H, L, E), the L newest queries of H heads, and a
+    cache K (G, S, E), V (G, S, Ev) of G key-value heads, G dividing H (query head h reads
+    key-value head ``h // (H // G)``), causal with the bottom-right alignment as in
+    ``flash.flash_decode``. Writes Y (H, L, Ev).
+
+    The keys are cut into the ``num_splits`` parts of ``flash.decode_splits``. One worker takes
+    one part and, with ``packed``, one key-value head and the ``H // G * L`` query rows of its
+    group, so that the part's keys and values are read once for the group; without it, one
+    query head and its L rows, so that the part is read once for every query head. A worker
+    reads its query rows, streams its part's keys and values past them in blocks of
+    ``block_cols``, keeping the online softmax's state in fast memory, and writes that state
+    (the maximum, the sum and the unnormalised output of every row) to slow memory; a second
+    pass reads the parts' states row block by row block and merges them into Y. With one part
+    there is nothing to merge: the worker writes its rows of Y at once."""
+    Q, K, V = mem.slow["Q"], mem.slow["K"], mem.slow["V"]
+    H, L, E = Q.shape
+    G, S, Ev = V.shape
+    if K.shape != (G, S, E) or G < 1 or H % G or L > S:
+        raise ValueError(f"Q (H, L, E), K (G, S, E), V (G, S, Ev) need G dividing H and L <= S; "
+                         f"got Q {tuple(Q.shape)}, K {tuple(K.shape)}, V {tuple(V.shape)}")
+    scale = _scale(E, scale)
+    parts = decode_splits(S, num_splits)
+    group = H // G if packed else 1  # query heads per worker
+    rows = group * L
+    last_key = S - L + torch.arange(L).repeat(group)[:, None]  # (rows, 1): bottom right
+    mem.slow["Y"] = Q.new_zeros(H, L, Ev)
+    if num_splits > 1:
+        for name, shape in (("m_part", (num_splits, H, L)), ("ell_part", (num_splits, H, L)),
+                            ("acc_part", (num_splits, H, L, Ev))):
+            mem.slow[name] = Q.new_zeros(shape)
+    for h0 in range(0, H, group):  # one worker per head (group) and part
+        heads, g = slice(h0, h0 + group), h0 // (H // G)
+        for p, (j0, j1) in enumerate(parts):
+            q = mem.read("Q", heads).view(rows, E)
+            m = mem.hold(Q.new_full((rows, 1), float("-inf")))
+            ell = mem.hold(Q.new_zeros(rows, 1))
+            acc = mem.hold(Q.new_zeros(rows, Ev))
+            for c0 in range(j0, j1, block_cols):
+                c1 = min(c0 + block_cols, j1)
+                k, v = mem.read("K", g, slice(c0, c1)), mem.read("V", g, slice(c0, c1))
+                z = q @ k.T * scale
+                seen = torch.arange(c0, c1)[None, :] <= last_key  # (rows, c1 - c0)
+                z = mem.hold(z.masked_fill(~seen, float("-inf")))
+                m_new = mem.hold(torch.maximum(m, z.amax(dim=-1, keepdim=True)))
+                shift = mem.hold(torch.where(torch.isfinite(m_new), m_new,
+                                             torch.zeros_like(m_new)))
+                rescale = mem.hold(torch.exp(m - shift))
+                z.sub_(shift).exp_()
+                ell.mul_(rescale).add_(z.sum(dim=-1, keepdim=True))
+                acc.mul_(rescale).add_(z @ v)
+                m.copy_(m_new)
+                mem.free(k, v, z, m_new, shift, rescale)
+            if num_splits == 1:  # key 0 is in the part: every row has seen a key
+                acc.div_(ell)
+                mem.write("Y", heads, acc.view(group, L, Ev))
+            else:
+                mem.write("m_part", (p, heads), m.view(group, L))
+                mem.write("ell_part", (p, heads), ell.view(group, L))
+                mem.write("acc_part", (p, heads), acc.view(group, L, Ev))
+            mem.free(q, m, ell, acc)
+    if num_splits == 1:
+        return
+    for h0 in range(0, H, group):  # the merge, by log-sum-exp, as in flash.flash_decode
+        heads = slice(h0, h0 + group)
+        m_all = mem.hold(Q.new_full((group, L, 1), float("-inf")))
+        ell = mem.hold(Q.new_zeros(group, L, 1))
+        acc = mem.hold(Q.new_zeros(group, L, Ev))
+        for p in range(num_splits):
+            m_p = mem.read("m_part", p, heads).unsqueeze(-1)
+            ell_p = mem.read("ell_part", p, heads).unsqueeze(-1)
+            acc_p = mem.read("acc_part", p, heads)
+            m_new = mem.hold(torch.maximum(m_all, m_p))  # finite: some part has seen a key
+            to_new = mem.hold(torch.exp(m_all - m_new))
+            ell.mul_(to_new)
+            acc.mul_(to_new)
+            to_new.copy_(torch.exp(m_p - m_new))  # the part's factor, in the same place
+            ell.add_(to_new * ell_p)
+            acc.add_(to_new * acc_p)
+            m_all.copy_(m_new)
+            mem.free(m_p, ell_p, acc_p, m_new, to_new)
+        acc.div_(ell)
+        mem.write("Y", heads, acc)
+        mem.free(m_all, ell, acc)
 
 
 def _query_tiles(j0: int, L: int, block_rows: int, is_causal: bool):
@@ -400,4 +507,18 @@ def flash_backward_counts(L: int, S: int, E: int, Ev: int, block_rows: int, bloc
         writes += S * (E + Ev) + n_c * L * E
     else:
         raise ValueError(f"order must be 'queries' or 'keys', got {order!r}")
+    return {"reads": reads, "writes": writes, "accesses": reads + writes}
+
+
+def flash_decode_counts(H: int, G: int, L: int, S: int, E: int, Ev: int, *,
+                        num_splits: int = 1, packed: bool = True) -> dict:
+    """Elements ``flash_decode_forward`` reads and writes. Every worker reads its query rows
+    (so all H L of them once per part) and each key and value of its part once: with
+    ``packed`` there are G workers per part, so each of the G cached heads is read once, and
+    unpacked there are H, so each is read H / G times. With more than one part, each part's
+    state (Ev + 2 numbers per row) is written and read back by the merge; Y is written once."""
+    workers = G if packed else H
+    state = num_splits * H * L * (Ev + 2) if num_splits > 1 else 0
+    reads = num_splits * H * L * E + workers * S * (E + Ev) + state
+    writes = H * L * Ev + state
     return {"reads": reads, "writes": writes, "accesses": reads + writes}

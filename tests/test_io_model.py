@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
+import numerics
 from attention import scaled_dot_product_attention
-from io_model import (TwoLevelMemory, flash_backward, flash_backward_counts, flash_blocks,
-                      flash_forward, flash_forward_counts, standard_blocks, standard_counts,
-                      standard_forward)
+from flash import flash_decode
+from io_model import (TwoLevelMemory, decode_blocks, flash_backward, flash_backward_counts,
+                      flash_blocks, flash_decode_counts, flash_decode_forward, flash_forward,
+                      flash_forward_counts, standard_blocks, standard_counts, standard_forward)
 
 F64 = torch.float64
 SHAPES = [(37, 53, 8, 6), (64, 64, 16, 16), (100, 30, 4, 12), (1, 9, 5, 3), (9, 1, 3, 5)]
@@ -157,3 +160,71 @@ def test_blocks_fit_and_grow_with_the_fast_memory():
 def test_a_bad_order_is_refused():
     with pytest.raises(ValueError, match="order must be"):
         flash_backward_counts(8, 8, 4, 4, 2, 2, order="rows")
+
+
+# --- decoding: flash_decode_forward ------------------------------------------------------------
+
+DECODE_SHAPES = [(8, 2, 1, 100, 16, 16), (8, 2, 3, 37, 16, 8), (4, 4, 1, 9, 5, 5),
+                 (6, 1, 2, 50, 8, 8), (16, 8, 1, 64, 8, 12), (2, 1, 4, 4, 4, 4)]
+
+
+def decode_inputs(H, G, L, S, E, Ev, seed=0, dtype=F64):
+    gen = torch.Generator().manual_seed(seed)
+    return {"Q": torch.randn(H, L, E, generator=gen, dtype=dtype),
+            "K": torch.randn(G, S, E, generator=gen, dtype=dtype),
+            "V": torch.randn(G, S, Ev, generator=gen, dtype=dtype)}
+
+
+@pytest.mark.parametrize("H,G,L,S,E,Ev", DECODE_SHAPES)
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("packed", [True, False])
+@pytest.mark.parametrize("dtype", [F64, torch.float32])
+def test_flash_decode_forward_is_grouped_attention_and_moves_what_the_formula_says(
+        H, G, L, S, E, Ev, num_splits, packed, dtype):
+    t = decode_inputs(H, G, L, S, E, Ev, dtype=dtype)
+    M = 3000
+    mem = TwoLevelMemory(M, **t)
+    flash_decode_forward(mem, decode_blocks(M, (H // G if packed else 1) * L, E, Ev),
+                         num_splits=num_splits, packed=packed)
+    sees = torch.ones(L, S, dtype=torch.bool).tril(diagonal=S - L)  # bottom right
+    want = F.scaled_dot_product_attention(t["Q"][None], t["K"][None], t["V"][None],
+                                          attn_mask=sees, enable_gqa=True)[0]
+    numerics.assert_close(mem.slow["Y"], want, factor=4)  # S up to 100 keys summed
+    if Ev == E:
+        numerics.assert_close(mem.slow["Y"], flash_decode(
+            t["Q"][None], t["K"][None], t["V"][None], num_splits=num_splits)[0], factor=4)
+    counts = flash_decode_counts(H, G, L, S, E, Ev, num_splits=num_splits, packed=packed)
+    assert (mem.reads, mem.writes, mem.accesses) == (
+        counts["reads"], counts["writes"], counts["accesses"])
+    assert mem.peak <= M and mem.held == 0
+
+
+@pytest.mark.parametrize("H,G", [(16, 16), (16, 4), (16, 1), (6, 2)])
+def test_packing_reads_each_shared_head_once_instead_of_once_per_query_head(H, G):
+    S, E = 40, 8
+    runs = {}
+    for packed in (True, False):
+        mem = TwoLevelMemory(5000, **decode_inputs(H, G, 1, S, E, E, seed=1))
+        flash_decode_forward(mem, 7, num_splits=2, packed=packed)
+        runs[packed] = mem
+    numerics.assert_close(runs[True].slow["Y"], runs[False].slow["Y"])
+    assert runs[False].reads - runs[True].reads == (H - G) * S * 2 * E
+    assert runs[True].writes == runs[False].writes
+
+
+def test_flash_decode_forward_with_a_scale_and_a_small_fast_memory():
+    t = decode_inputs(4, 2, 1, 30, 4, 4, seed=2)
+    mem = TwoLevelMemory(60, **t)  # 2 rows of a group: at least 2 * (4 + 4 + 6) + 8 = 36
+    flash_decode_forward(mem, decode_blocks(60, 2, 4), num_splits=5, scale=0.3)
+    want = F.scaled_dot_product_attention(t["Q"][None], t["K"][None], t["V"][None],
+                                          enable_gqa=True, scale=0.3)[0]
+    numerics.assert_close(mem.slow["Y"], want)
+    assert mem.peak <= 60
+    with pytest.raises(ValueError, match="cannot hold 2 query rows"):
+        decode_blocks(35, 2, 4)
+
+
+def test_flash_decode_forward_refuses_heads_that_do_not_group():
+    mem = TwoLevelMemory(1000, **decode_inputs(6, 4, 1, 10, 4, 4))
+    with pytest.raises(ValueError, match="G dividing H"):
+        flash_decode_forward(mem, 2)
