@@ -8,9 +8,16 @@ What is here, in the order the chapter "A language model on real text" uses it:
 
 - ``load_text``, ``Vocabulary`` and ``split``: the text, its characters as integers, and the
   split into the first 90 % for training and the rest, held out;
+- ``split_text``, ``train_tokenizer``, ``Tokenizer``, ``save_tokenizer`` and
+  ``load_tokenizer``: a byte-pair tokenizer trained by SentencePiece on the training text, so
+  that ``train(..., tokenizer=...)`` trains the same model on tokens of several characters;
+  ``bits_per_character``, the loss that compares a model on tokens with one on characters;
 - ``unigram_loss`` and ``bigram_loss``: the baselines, models made of counts;
 - ``Config``, ``build`` and ``train(config, seed)``: the model and its training, which returns
-  the model and its log; ``evaluate``, the mean loss over a text cut into windows;
+  the model and its log; ``evaluate``, the mean loss over a text cut into windows; ``trace``,
+  what a traced run also measures at each evaluation (the loss at each position, the
+  in-context learning score, ``in_context_score``, and the heads' induction scores on
+  repeated passages);
 - ``sample``: one token drawn from logits, with a temperature, top-k and top-p (nucleus)
   truncation (``truncated``: the logits it draws from); ``generate``: sampling one character at a time that way, with or without
   chapter "Inference"'s key-value cache;
@@ -33,6 +40,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import hashlib
+import io
+import json
 import math
 import pathlib
 from dataclasses import dataclass
@@ -50,6 +60,12 @@ __all__ = [
     "load_text",
     "Vocabulary",
     "split",
+    "split_text",
+    "train_tokenizer",
+    "Tokenizer",
+    "save_tokenizer",
+    "load_tokenizer",
+    "bits_per_character",
     "unigram_loss",
     "bigram_loss",
     "Config",
@@ -57,6 +73,8 @@ __all__ = [
     "windows",
     "evaluate",
     "train",
+    "trace",
+    "in_context_score",
     "truncated",
     "sample",
     "generate",
@@ -134,6 +152,123 @@ def split(tokens: Tensor, fraction: float = 0.9) -> tuple[Tensor, Tensor]:
     return tokens[:n], tokens[n:]
 
 
+def split_text(text: str, fraction: float = 0.9) -> tuple[str, str]:
+    """``text`` split where ``split`` splits its characters: the first ``fraction`` of the
+    characters for training, the rest held out. A tokenizer is trained on the first part and
+    each part is encoded on its own, so a character model and a token model hold out the
+    same text."""
+    if not 0 < fraction < 1:
+        raise ValueError(f"fraction must lie strictly between 0 and 1, got {fraction}")
+    n = int(fraction * len(text))
+    return text[:n], text[n:]
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokens of several characters: a byte-pair tokenizer (SentencePiece)
+
+# SentencePiece's options for a lossless tokenizer of a stream of text, trained the same way
+# every time: no text dropped, spaces kept as they are (written "▁" in a piece), no space added
+# in front, the line break a piece of its own, no BOS or EOS, one thread, every line read in
+# order (not sampled); id 0 is the unknown piece, which ``Tokenizer.encode`` refuses.
+TOKENIZER_OPTIONS = dict(model_type="bpe", character_coverage=1.0, byte_fallback=False,
+                         normalization_rule_name="identity", add_dummy_prefix=False,
+                         remove_extra_whitespaces=False, split_by_whitespace=True,
+                         user_defined_symbols=["\n"], unk_id=0, bos_id=-1, eos_id=-1,
+                         pad_id=-1, num_threads=1, input_sentence_size=0,
+                         shuffle_input_sentence=False, minloglevel=2)
+
+
+def _sentencepiece():
+    try:
+        import sentencepiece
+    except ImportError:
+        raise ImportError("the tokenizer needs SentencePiece: pip install sentencepiece "
+                          "(requirements.txt gives the version)") from None
+    return sentencepiece
+
+
+def train_tokenizer(text: str, vocab_size: int) -> bytes:
+    """A byte-pair tokenizer of ``vocab_size`` pieces, trained by SentencePiece
+    (``TOKENIZER_OPTIONS``) on the lines of ``text``: the bytes of its .model file. Its pieces
+    are the unknown piece, the line break, the merged pieces in the order of their merges,
+    then the single characters of ``text``."""
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError("train_tokenizer needs a non-empty string")
+    spm = _sentencepiece()
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(text.split("\n")), model_writer=model,
+                                   vocab_size=vocab_size, **TOKENIZER_OPTIONS)
+    return model.getvalue()
+
+
+class Tokenizer:
+    """A SentencePiece model with ``Vocabulary``'s interface: ``encode`` turns text into a
+    ``(N,)`` tensor of token ids in [0, V), ``decode`` turns ids back into text. ``pieces``
+    are the tokens as text (a space is "▁"); ``lengths`` ``(V,)`` the characters each token
+    stands for."""
+
+    def __init__(self, model: bytes, name: Optional[str] = None):
+        self.model, self.name = bytes(model), name
+        self.sha256 = hashlib.sha256(self.model).hexdigest()
+        self._processor = _sentencepiece().SentencePieceProcessor(model_proto=self.model)
+        self.pieces = [self._processor.id_to_piece(i) for i in range(len(self))]
+        self.lengths = torch.tensor([0 if self._processor.is_unknown(i) else
+                                     len(p.replace("▁", " ")) for i, p in enumerate(self.pieces)])
+
+    def __len__(self) -> int:
+        return self._processor.get_piece_size()
+
+    def encode(self, text: str) -> Tensor:
+        ids = torch.tensor(self._processor.encode(text), dtype=torch.long)
+        if bool((ids == self._processor.unk_id()).any()):
+            unknown = sorted({c for c in text if self._processor.piece_to_id(c) ==
+                              self._processor.unk_id() and c not in " \n"})
+            raise ValueError(f"characters not in the tokenizer: {unknown[:5]}")
+        return ids
+
+    def decode(self, ids) -> str:
+        ids = ids.tolist() if isinstance(ids, Tensor) else list(ids)
+        if any(not 0 <= i < len(self) for i in ids):
+            raise ValueError(f"ids must lie in [0, {len(self)})")
+        return self._processor.decode(ids)
+
+
+def save_tokenizer(folder: pathlib.Path, name: str, model: bytes, head: dict) -> dict:
+    """Write ``<name>.model`` (``train_tokenizer``'s bytes) and ``<name>.json`` (``head``,
+    what it was trained on and how, SentencePiece's version, the number of pieces and the
+    .model's SHA-256) into ``folder``. Returns what the JSON holds."""
+    folder = pathlib.Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{name}.model").write_bytes(model)
+    record = {"name": name, **head, "sentencepiece": _sentencepiece().__version__,
+              "pieces": len(Tokenizer(model)), "sha256": stored.sha256(folder / f"{name}.model")}
+    (folder / f"{name}.json").write_text(json.dumps(record, indent=1) + "\n")
+    return record
+
+
+def load_tokenizer(name: str, folder: Optional[pathlib.Path] = None) -> Tokenizer:
+    """The committed tokenizer ``name``, found as ``load_run`` finds a run; the .model's
+    SHA-256 must be the one its JSON records."""
+    where = stored.locate(MODELS.as_posix(), [f"{name}.json", f"{name}.model"], folder,
+                          make=_MAKE)
+    record = json.loads((where / f"{name}.json").read_text())
+    tokenizer = Tokenizer((where / f"{name}.model").read_bytes(), name)
+    if tokenizer.sha256 != record["sha256"]:
+        raise ValueError(f"{where / name}.model: its SHA-256 is {tokenizer.sha256}, but "
+                         f"{name}.json records {record['sha256']}; {_MAKE}")
+    return tokenizer
+
+
+def bits_per_character(loss: float, n_tokens: int, n_chars: int) -> float:
+    """A held-out loss of ``loss`` nats per token over ``n_tokens`` predicted tokens that
+    spell ``n_chars`` characters, in bits per character: ``loss * n_tokens / n_chars / ln 2``
+    (for characters, ``n_tokens = n_chars``: the loss over ln 2)."""
+    if n_tokens < 1 or n_chars < 1:
+        raise ValueError(f"need at least one token and one character, got {n_tokens} and "
+                         f"{n_chars}")
+    return loss * n_tokens / n_chars / math.log(2)
+
+
 # ---------------------------------------------------------------------------------------------
 # Baselines: models made of counts
 
@@ -180,7 +315,8 @@ def bigram_loss(train: Tensor, held_out: Tensor, vocab_size: int, alpha: float =
 class Config:
     """One training run's settings: the model (``DecoderLM``, pre-LN, GELU, no dropout,
     untied), the batches (``batch_size`` windows of ``context + 1`` characters drawn from the
-    training text) and AdamW with a linear warm-up and a cosine decay to ``min_lr``."""
+    training text, a share ``repeat`` of them made to hold a passage twice: ``_batch``) and
+    AdamW with a linear warm-up and a cosine decay to ``min_lr``."""
 
     context: int = 64
     d_model: int = 64
@@ -197,6 +333,8 @@ class Config:
     clip: float = 1.0
     eval_every: int = 100
     fraction: float = 0.9
+    repeat: float = 0.0  # the share of training windows that hold a passage twice (_batch)
+    repeat_min: int = 0  # 0: the passage is context // 2 long; else from repeat_min to that
 
     def __post_init__(self):
         for name in ("context", "d_model", "num_heads", "d_ff", "num_layers", "batch_size",
@@ -210,6 +348,12 @@ class Config:
         if self.steps < 0 or self.steps % self.eval_every:
             raise ValueError(f"steps={self.steps} must be a multiple of "
                              f"eval_every={self.eval_every}, so that the last step is evaluated")
+        if not 0.0 <= self.repeat <= 1.0:  # also refuses NaN
+            raise ValueError(f"Config.repeat must lie in [0, 1], got {self.repeat!r}")
+        if (isinstance(self.repeat_min, bool) or not isinstance(self.repeat_min, int)
+                or not 0 <= self.repeat_min <= self.context // 2):
+            raise ValueError(f"Config.repeat_min must be an integer in [0, context // 2], got "
+                             f"{self.repeat_min!r}")
         object.__setattr__(self, "betas", tuple(self.betas))  # JSON gives a list
 
     @classmethod
@@ -258,29 +402,110 @@ def evaluate(model: DecoderLM, tokens: Tensor, *, batch: int = 128) -> float:
 
 
 def _batch(tokens: Tensor, config: Config, generator: torch.Generator) -> tuple[Tensor, Tensor]:
-    """``batch_size`` windows of ``context + 1`` characters, starting anywhere."""
+    """``batch_size`` windows of ``context + 1`` characters, starting anywhere. With
+    ``config.repeat > 0`` each window is, with that probability, made a passage twice: its
+    first character and a passage of ``n`` characters, the passage again, then the text that
+    followed the passage, up to ``context + 1`` in all. ``n`` is ``context // 2`` (the layout
+    of ``repeated_text``), or with ``config.repeat_min > 0`` drawn for each window from
+    ``repeat_min`` to ``context // 2``, so that the second copy starts at no fixed place."""
     starts = torch.randint(len(tokens) - config.context, (config.batch_size,), generator=generator)
     rows = torch.stack([tokens[s:s + config.context + 1] for s in starts.tolist()])
+    if config.repeat > 0:  # no draw otherwise: the batches of repeat = 0 stay the same
+        half = config.context // 2
+        chosen = torch.rand(config.batch_size, generator=generator,
+                            dtype=torch.float64) < config.repeat  # (B,)
+        if config.repeat_min:
+            lengths = torch.randint(config.repeat_min, half + 1, (config.batch_size,),
+                                    generator=generator).tolist()
+        else:
+            lengths = [half] * config.batch_size
+        twice = torch.stack([torch.cat([r[:n + 1], r[1:n + 1], r[n + 1:config.context + 1 - n]])
+                             for r, n in zip(rows, lengths)])  # (B, context + 1)
+        rows = torch.where(chosen[:, None], twice, rows)
     return rows[:, :-1], rows[:, 1:]
 
 
+TRACE_SEED = 2024  # the generator of the repeated passages a trace is measured on
+TRACE_SEQUENCES = 64  # how many
+ICL_EARLY, ICL_LATE = 5, 50  # the characters read by the two predictions of the ICL score
+
+
+def in_context_score(model: DecoderLM, tokens: Tensor, early: int = ICL_EARLY,
+                     late: int = ICL_LATE, *, losses: Optional[Tensor] = None) -> Tensor:
+    """(n,): for each window of ``tokens`` (``windows``), the loss of its prediction made from
+    ``late`` characters minus the loss of the prediction of the same character made from
+    ``early`` characters, in the windows that start ``late - early`` characters later (read
+    as windows of ``early`` characters, which is all that prediction sees); the mean is the
+    in-context learning score of Olsson et al. (2022), negative when the longer
+    context helps. ``losses``: ``predictions(model, tokens)[0]``, if already computed."""
+    C = model.max_len
+    if not 1 <= early < late <= C:
+        raise ValueError(f"need 1 <= early < late <= context = {C}, got {early} and {late}")
+    losses = predictions(model, tokens)[0] if losses is None else losses  # (N, C)
+    x, y = windows(tokens[late - early:], C)  # the window's character `late` at `early`
+    with torch.no_grad():  # causal: the first `early` characters are all the prediction reads
+        logits = model(x[:, :early])[:, early - 1]  # (n, V)
+    n = min(len(losses), len(x))
+    early_losses = F.cross_entropy(logits[:n], y[:n, early - 1], reduction="none")  # (n,)
+    return losses[:n, late - 1] - early_losses
+
+
+def trace(model: DecoderLM, held_out: Tensor) -> dict:
+    """What ``train(..., trace=True)`` measures at each evaluation, on the held-out tokens:
+    "by_position", the mean loss at each position of the windows of ``evaluate`` (``context``
+    numbers: the prediction made from 1, 2, ..., context characters); "icl", the mean of
+    ``in_context_score`` (from ``ICL_EARLY`` and ``ICL_LATE`` characters, or the whole
+    context if shorter) and its standard error over the windows; on ``TRACE_SEQUENCES``
+    sequences of ``repeated_text`` (a character, a held-out passage of ``context // 2``
+    characters, the passage again; drawn with ``TRACE_SEED``) "copies", the mean loss of the
+    predictions of the passage's first copy and of its second, each from its second character
+    on, and "induction", each head's induction score ``(num_layers, H)`` as a nested
+    list."""
+    losses, _ = predictions(model, held_out)  # (N, context)
+    late = min(ICL_LATE, model.max_len)  # a shorter context: its last prediction
+    icl = in_context_score(model, held_out, min(ICL_EARLY, late - 1), late, losses=losses)
+    half = model.max_len // 2
+    repeated = repeated_text(held_out, TRACE_SEQUENCES, half,
+                             torch.Generator().manual_seed(TRACE_SEED))  # (n, 2 * half + 1)
+    with torch.no_grad():
+        logits, weights = model(repeated[:, :-1], need_weights=True)
+    per = F.cross_entropy(logits.transpose(1, 2), repeated[:, 1:], reduction="none")  # (n, 2h)
+    n = repeated.shape[0]
+    first, second = torch.ones(n, dtype=torch.long), torch.full((n,), 1 + half)
+    induction = torch.stack([induction_score(w, first, second, torch.full((n,), half))
+                             for w in weights])  # (num_layers, H)
+    return {"by_position": losses.mean(dim=0).tolist(),
+            "icl": [float(icl.mean()), float(icl.std() / len(icl) ** 0.5)],
+            "copies": [float(per[:, 1:half].mean()), float(per[:, half + 1:].mean())],
+            "induction": induction.tolist()}
+
+
 def train(config: Config, seed: int, text: Optional[str] = None, *,
-          until: Optional[int] = None) -> tuple[DecoderLM, dict]:
+          until: Optional[int] = None, traced: bool = False,
+          tokenizer: Optional["Tokenizer"] = None) -> tuple[DecoderLM, dict]:
     """Train a fresh model on the training part of ``text`` (default: ``load_text()``),
     whose characters make its vocabulary (``Vocabulary(text)``).
 
     The initial weights come from ``seed`` (drawn without touching the global random state),
     the batches from a generator seeded with ``seed``. The log holds, for every step, the
-    learning rate and the batch's loss (before the step), and every ``eval_every`` steps
-    from 0 to ``steps`` the held-out loss (``evaluate``). ``until`` stops the same run after
-    that many steps (the schedule still ends at ``steps``): its log is the start of the full
-    run's. Returns the model and the log."""
+    learning rate, the batch's loss (before the step) and the norm of the gradient before it
+    is clipped ("grad_norm"), and every ``eval_every`` steps from 0 to ``steps`` the held-out
+    loss (``evaluate``); with ``traced`` each evaluation also holds ``trace``'s measurements.
+    ``until`` stops the same run after that many steps (the schedule still ends at
+    ``steps``): its log is the start of the full run's. With ``tokenizer`` (a ``Tokenizer``)
+    the model reads its tokens instead of characters: the text is split as characters
+    (``split_text``) and each part encoded, so the held-out text is the same. Returns the
+    model and the log."""
     until = config.steps if until is None else until
     if not 0 <= until <= config.steps:
         raise ValueError(f"until must lie in [0, {config.steps}], got {until}")
     text = load_text() if text is None else text
-    vocab = Vocabulary(text)
-    train_part, held_out = split(vocab.encode(text), config.fraction)
+    vocab = Vocabulary(text) if tokenizer is None else tokenizer
+    if tokenizer is None:
+        train_part, held_out = split(vocab.encode(text), config.fraction)
+    else:
+        train_part, held_out = (tokenizer.encode(part)
+                                for part in split_text(text, config.fraction))
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = build(config, len(vocab))
@@ -290,11 +515,13 @@ def train(config: Config, seed: int, text: Optional[str] = None, *,
     opt = torch.optim.AdamW([{"params": matrices, "weight_decay": config.weight_decay},
                              {"params": others, "weight_decay": 0.0}],
                             lr=config.lr, betas=config.betas)
-    log = {"lr": [], "loss": [], "eval": []}
+    log = {"lr": [], "loss": [], "grad_norm": [], "eval": []}
     for step in range(until + 1):
         if step % config.eval_every == 0:
             model.eval()
             log["eval"].append({"step": step, "held_out": evaluate(model, held_out)})
+            if traced:
+                log["eval"][-1].update(trace(model, held_out))
             model.train()
         if step == until:
             break
@@ -305,10 +532,11 @@ def train(config: Config, seed: int, text: Optional[str] = None, *,
         loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
         opt.zero_grad()
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), config.clip)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.clip)  # unclipped
         opt.step()
         log["lr"].append(rate)
         log["loss"].append(loss.item())
+        log["grad_norm"].append(norm.item())
     model.eval()
     return model, log
 
@@ -558,36 +786,51 @@ class Run:
     seed: int
     log: dict
     model: DecoderLM
-    vocab: Vocabulary
+    vocab: Vocabulary  # or the Tokenizer of a run on tokens
     cpu_seconds: Optional[float] = None  # what training took, as tools/models.py measured it
     sha256: Optional[str] = None  # of the weights, as its JSON records it
+    until: Optional[int] = None  # the steps trained, when the run stopped before config.steps
 
 
 def save_run(folder: pathlib.Path, name: str, config: Config, seed: int, model: DecoderLM,
-             log: dict, vocab: Vocabulary, cpu_seconds: Optional[float] = None) -> dict:
+             log: dict, vocab: Vocabulary, cpu_seconds: Optional[float] = None,
+             until: Optional[int] = None) -> dict:
     """Write ``<name>.pt`` (the state_dict) and ``<name>.json`` (config, seed, the
     vocabulary's characters, the CPU seconds the training took if given, log, torch's version
-    and the .pt's SHA-256) into ``folder``."""
+    and the .pt's SHA-256) into ``folder``; a run stopped early (``train``'s ``until``) also
+    records where. A run on tokens (``vocab`` a ``Tokenizer``) records the tokenizer's name
+    and SHA-256 instead of the characters."""
     if len(vocab) != model.vocab_size:
         raise ValueError(f"the vocabulary has {len(vocab)} characters, the model "
                          f"{model.vocab_size}")
     head = {"name": name, "config": dataclasses.asdict(config), "seed": seed,
-            "chars": "".join(vocab.chars), "cpu_seconds": cpu_seconds}
+            **({"tokenizer": vocab.name, "tokenizer_sha256": vocab.sha256}
+               if isinstance(vocab, Tokenizer) else {"chars": "".join(vocab.chars)}),
+            "cpu_seconds": cpu_seconds}
+    if until is not None:
+        head["until"] = until
     return stored.save_run(folder, name, model.state_dict(), head, log)
 
 
 def load_run(name: str, folder: Optional[pathlib.Path] = None) -> Run:
     """The trained run ``name``, read from ``folder``: by default the repository's models/lm/,
     else models/lm/ beside this file (Colab, a download), fetched once. The weights' SHA-256
-    must be the one their JSON records."""
+    must be the one their JSON records; a run on tokens also loads its tokenizer
+    (``load_tokenizer``), which must be the one it was trained with."""
     record, state = stored.load_run(MODELS.as_posix(), name, folder, make=_MAKE)
     config = Config.from_dict(record["config"])
-    vocab = Vocabulary(record["chars"])
+    if "tokenizer" in record:
+        vocab = load_tokenizer(record["tokenizer"], folder)
+        if vocab.sha256 != record["tokenizer_sha256"]:
+            raise ValueError(f"{name} was trained with another {record['tokenizer']}.model; "
+                             f"{_MAKE}")
+    else:
+        vocab = Vocabulary(record["chars"])
     model = build(config, len(vocab))
     model.load_state_dict(state)
     model.eval()
     return Run(name, config, record["seed"], record["log"], model, vocab,
-               record.get("cpu_seconds"), record["sha256"])
+               record.get("cpu_seconds"), record["sha256"], record.get("until"))
 
 
 @dataclass

@@ -18,9 +18,10 @@ The experiments of chapter "The Transformer block" are here too, for tools/model
 models``) to run once and commit to models/block/, and for the chapter to load: post-LN against
 pre-LN learning to reverse a sequence with and without a warm-up (``ReversalConfig``,
 ``train_reversal``), and the gradients of both orders at initialisation, over depth
-(``GradientConfig``, ``measure_gradients``); ``save_run`` and ``load_run`` write and read them
-with the SHA-256 of their tensors. All float64 and deterministic: the same config and seed give
-the same log.
+(``GradientConfig``, ``measure_gradients``), also with GPT-2's scaled initialisation of the
+residual projections (``GradientConfig(scaled=True)``, ``residual_scale``); ``save_run`` and
+``load_run`` write and read them with the SHA-256 of their tensors. All float64 and
+deterministic: the same config and seed give the same log.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ from attention import KVCache, MultiHeadAttention
 
 __all__ = ["TransformerBlock", "DecoderLM", "ACTIVATIONS", "ReversalConfig", "reversal_batch",
            "reversal_model", "reversal_loss", "evaluate_reversal", "train_reversal",
-           "GradientConfig", "gradients_at_init", "measure_gradients", "save_run", "load_run",
+           "GradientConfig", "residual_scale", "gradients_at_init", "measure_gradients",
+           "save_run", "load_run",
            "Run"]
 
 # The MLP's nonlinearity. "swiglu" is a gated unit (Shazeer 2020): the first linear layer
@@ -423,7 +425,10 @@ class GradientConfig:
     d_model, ReLU, Glorot's initialisation), reading ``batch_size`` random sequences of
     ``length`` positions with entries of unit variance, a final layer norm for pre-LN, a
     linear readout to ``n_classes`` classes and the cross-entropy against random targets;
-    ``seeds`` seeds, 0 to ``seeds - 1``."""
+    ``seeds`` seeds, 0 to ``seeds - 1``. With ``scaled`` the two matrices of each block that
+    write into the residual stream, attention's W_O (``out_proj``) and the MLP's W_down
+    (``linear2``), are multiplied by 1 / sqrt(2 * depth) after Glorot's initialisation, as
+    GPT-2 scales its residual projections (``residual_scale``)."""
 
     depths: tuple = (2, 4, 8, 16, 32)
     seeds: int = 4
@@ -432,10 +437,14 @@ class GradientConfig:
     n_classes: int = 32
     batch_size: int = 16
     length: int = 16
+    scaled: bool = False
 
     def __post_init__(self):
         _positive_ints(self, ("seeds", "d_model", "num_heads", "n_classes", "batch_size",
                               "length"))
+        if not isinstance(self.scaled, bool):
+            raise ValueError(f"GradientConfig.scaled must be True or False, got "
+                             f"{self.scaled!r}")
         object.__setattr__(self, "depths", tuple(self.depths))  # JSON gives a list
 
     @classmethod
@@ -444,6 +453,17 @@ class GradientConfig:
 
 
 ORDERS = {"post-LN": False, "pre-LN": True}  # the orders' names and their norm_first
+
+
+def residual_scale(depth: int) -> float:
+    """GPT-2's factor for the residual projections of a stack of ``depth`` blocks,
+    1 / sqrt(2 * depth): each block adds two branches to the stream, so the stream receives
+    2 * depth additions, and dividing each by sqrt(2 * depth) keeps their summed variance at
+    initialisation independent of the depth (Radford et al. 2019; nanoGPT's 0.02 /
+    sqrt(2 * n_layer))."""
+    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+        raise ValueError(f"depth must be a positive integer, got {depth!r}")
+    return (2 * depth) ** -0.5
 
 
 def gradients_at_init(config: GradientConfig, depth: int, norm_first: bool,
@@ -461,6 +481,11 @@ def gradients_at_init(config: GradientConfig, depth: int, norm_first: bool,
         for p in blocks.parameters():
             if p.dim() > 1:
                 nn.init.xavier_uniform_(p)
+        if config.scaled:
+            with torch.no_grad():
+                for b in blocks:  # the two projections that write into the stream
+                    b.self_attn.out_proj.weight.mul_(residual_scale(depth))
+                    b.linear2.weight.mul_(residual_scale(depth))
         final = nn.LayerNorm(d, dtype=DTYPE) if norm_first else nn.Identity()
         readout = nn.Linear(d, config.n_classes, dtype=DTYPE)
     gen = torch.Generator().manual_seed(100 + seed)

@@ -53,7 +53,7 @@ import position
 from chapter_structure import read_source
 from classroom import numbered_chapters
 from test_exercises import (C1, C2, C2b, C3, C4, C5, C5b, C6, C7, C8, C9, C10, C11, C11b, C12,
-                            C13,
+                            C13, C13m, C13s, C13t,
                             CG,
                             CHECK_NAMES,
                             REFERENCES, graded_points, load_check, reference_functions)
@@ -729,6 +729,164 @@ for _name, _fn in captured(lm.bigram_loss, "the module's bigram_loss").items():
     add(C13, 2, _name, NOTHING, FORBIDDEN, bigram_loss=_as_tensor(_fn))
 
 
+# Chapter 13, the model from its parts: the module's DecoderLM and lm.build by other routes,
+# pasted in, and captured; and right answers in other layouts, which earn everything.
+from test_exercises import lm_fused_by_hand, lm_own_module  # noqa: E402
+
+
+def _lm_through(make):
+    """lm_logits by a DecoderLM that make(vocab, n_pos, d_model, num_heads, d_ff, layers,
+    tie_weights=True, dtype=...) builds, holding the given weights."""
+    def lm_logits(tokens, weights, num_heads):
+        E = weights["embed.weight"]
+        layers = len({name.split(".")[1] for name in weights if name.startswith("blocks.")})
+        model = make(E.shape[0], len(weights["position.weight"]), E.shape[1], num_heads,
+                     len(weights["blocks.0.linear1.weight"]), layers, tie_weights=True,
+                     dtype=E.dtype)
+        model.load_state_dict({**weights, "unembed.weight": E})
+        return model(tokens)
+    return lm_logits
+
+
+def _pasted_decoder():
+    """A copy of the module's DecoderLM, its source pasted into the notebook."""
+    namespace = {"torch": torch, "nn": torch.nn, "Optional": Optional, "Tensor": Tensor,
+                 "TransformerBlock": transformer.TransformerBlock,
+                 "KVCache": attention.KVCache}
+    exec(inspect.getsource(transformer.DecoderLM), namespace)
+    return namespace["DecoderLM"]
+
+
+def _build_by(build):
+    """lm_logits through build(config, vocab_size), the module's lm.build or a copy."""
+    def make(vocab, n_pos, d_model, num_heads, d_ff, layers, tie_weights, dtype):
+        config = lm.Config(context=n_pos, d_model=d_model, num_heads=num_heads, d_ff=d_ff,
+                           num_layers=layers)
+        return build(config, vocab).to(dtype)
+    return _lm_through(make)
+
+
+MODEL_ALIASES = {  # class 1
+    "the module's DecoderLM through importlib and getattr": _lm_through(
+        lambda *a, **k: getattr(importlib.import_module("transformer"), "Decoder" + "LM")(
+            *a, **k)),
+    "the module's DecoderLM built in a thread of its own": _lm_through(
+        in_a_thread(lambda *a, **k: transformer.DecoderLM(*a, **k))),
+    "a pasted copy of the module's DecoderLM": _lm_through(_pasted_decoder()),
+    "the module's lm.build through importlib and getattr": _build_by(
+        lambda *a: getattr(importlib.import_module("lm"), "bu" + "ild")(*a)),
+}
+for _name, _fn in MODEL_ALIASES.items():
+    add(C13m, 1, _name, NOTHING, FORBIDDEN if "pasted" not in _name
+        else "a copy of the module's code", lm_logits=_fn)
+for _name, _fn in captured(transformer.DecoderLM, "the module's DecoderLM").items():
+    add(C13m, 2, _name, NOTHING, FORBIDDEN, lm_logits=_lm_through(_fn))
+for _name, _fn in captured(lm.build, "the module's lm.build").items():
+    add(C13m, 2, _name, NOTHING, FORBIDDEN, lm_logits=_build_by(_fn))
+add(C13m, 4, "no module: one matrix for W_Q, W_K, W_V, attention by hand", FULL,
+    lm_logits=lm_fused_by_hand)
+add(C13m, 4, "a module of its own, its parameters under other names", FULL,
+    lm_logits=lm_own_module)
+
+
+# Chapter 13, the training steps: lm.train and the schedule Config.learning_rate by other
+# routes and captured; right answers with AdamW written out or on its foreach path.
+from test_exercises import (_train_like, train_adamw_by_hand,  # noqa: E402
+                            train_foreach_and_a_list_of_rates)
+
+
+def _train_by(train):
+    """train_steps through train(config, seed, text, until=n), lm.train or another route to it,
+    made to start from the given model and batches."""
+    def train_steps(model, inputs, targets, config):
+        text = "".join(chr(65 + i) for i in range(model.vocab_size)) * 8 * config.context
+        queue = list(zip(inputs, targets))
+        saved = lm.build, lm._batch
+        lm.build, lm._batch = (lambda c, v: model), (lambda tokens, c, g: queue.pop(0))
+        try:
+            _, log = train(config, 0, text, until=len(inputs))
+        finally:
+            lm.build, lm._batch = saved
+        return (torch.tensor(log["lr"], dtype=torch.float64),
+                torch.tensor(log["loss"], dtype=torch.float64), model.state_dict())
+    return train_steps
+
+
+def _rate_by(rate_of):
+    return lambda model, inputs, targets, config: _train_like(
+        model, inputs, targets, config, rate_of=rate_of)
+
+
+TRAIN_ALIASES = {  # class 1
+    "the module's lm.train through importlib and getattr": _train_by(
+        lambda *a, **k: getattr(importlib.import_module("lm"), "tr" + "ain")(*a, **k)),
+    "the module's lm.train in a thread of its own": _train_by(
+        in_a_thread(lambda *a, **k: lm.train(*a, **k))),
+    "Config.learning_rate through type(config) and getattr": _rate_by(
+        lambda t, c: getattr(type(c), "learning" + "_rate")(c, t)),
+}
+for _name, _fn in TRAIN_ALIASES.items():
+    add(C13t, 1, _name, NOTHING, FORBIDDEN, train_steps=_fn)
+for _name, _fn in captured(lm.Config.learning_rate, "the module's Config.learning_rate").items():
+    add(C13t, 2, _name, NOTHING, FORBIDDEN,
+        train_steps=_rate_by((lambda f: lambda t, c: f(c, t))(_fn)))
+add(C13t, 4, "AdamW written out, float64 throughout", FULL, train_steps=train_adamw_by_hand)
+add(C13t, 4, "PyTorch's AdamW on its foreach path", FULL,
+    train_steps=train_foreach_and_a_list_of_rates)
+
+
+# Chapter 13, sampling and writing: the module's sample, truncated and generate by other routes,
+# pasted in, and captured; a right sampler that draws other tokens from the same distribution.
+from test_exercises import lm_sample_ref, sample_by_inverse_cdf  # noqa: E402
+
+
+def _sample_by(draw_from):
+    """sample through draw_from(logits, temperature, top_k, top_p, generator)."""
+    return lambda logits, temperature, top_k, top_p, generator: draw_from(
+        logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
+
+
+def _truncated_by(truncate):
+    """A sampler of its own around truncate(logits, temperature=..., top_k=..., top_p=...)."""
+    def sample(logits, temperature, top_k, top_p, generator):
+        if temperature == 0:
+            return logits.argmax(dim=-1)
+        z = truncate(logits, temperature=temperature, top_k=top_k, top_p=top_p)
+        probs = torch.softmax(z.reshape(-1, logits.shape[-1]), dim=-1)
+        return torch.multinomial(probs, 1, generator=generator).reshape(logits.shape[:-1])
+    return sample
+
+
+def _generate_by(write):
+    """generate through write(model, prompt, n, temperature=..., generator=..., cache=...)."""
+    return lambda model, prompt, n, temperature, generator, cache: write(
+        model, prompt, n, temperature=temperature, generator=generator, cache=cache)
+
+
+_pasted_truncated = _pasted(lm.truncated, _check_sampling=lm._check_sampling,
+                            Optional=Optional)
+SAMPLING_ALIASES = {  # class 1
+    "the module's sample through importlib and getattr": dict(sample=_sample_by(
+        lambda *a, **k: getattr(importlib.import_module("lm"), "sam" + "ple")(*a, **k))),
+    "the module's sample in a thread of its own": dict(sample=_sample_by(
+        in_a_thread(lambda *a, **k: lm.sample(*a, **k)))),
+    "a pasted copy of the module's truncated": dict(sample=_truncated_by(_pasted_truncated)),
+    "the module's generate through importlib and getattr": dict(generate=_generate_by(
+        lambda *a, **k: getattr(importlib.import_module("lm"), "gene" + "rate")(*a, **k))),
+}
+for _name, _fns in SAMPLING_ALIASES.items():
+    add(C13s, 1, _name, NOTHING, FORBIDDEN if "pasted" not in _name
+        else "a copy of the module's code", **_fns)
+for _name, _fn in captured(lm.sample, "the module's sample").items():
+    add(C13s, 2, _name, NOTHING, FORBIDDEN, sample=_sample_by(_fn))
+for _name, _fn in captured(lm.truncated, "the module's truncated").items():
+    add(C13s, 2, _name, NOTHING, FORBIDDEN, sample=_truncated_by(_fn))
+for _name, _fn in captured(lm.generate, "the module's generate").items():
+    add(C13s, 2, _name, NOTHING, FORBIDDEN, generate=_generate_by(_fn))
+add(C13s, 4, "other tokens from the same distribution: one uniform number against the "
+    "cumulative probabilities", FULL, sample=sample_by_inverse_cdf)
+
+
 # ---------------------------------------------------------------------------------------------
 # Classes 3, 4 and 6, made from each check's reference solution
 
@@ -810,6 +968,9 @@ def peeking(fn):
 
 
 DTYPE_REQUIRED = {C4, C5b, C8}  # the exercise asks for the input's dtype back
+# The answer trains the module it is given: a copy whose parameters are float64 tensors computed
+# from the original's has nothing to train, so these checks' class 4 is written out below.
+TRAINS_ITS_MODULE = {C13t}
 
 for _check in CHECK_NAMES:
     _names = REFERENCES[_check].functions
@@ -820,6 +981,8 @@ for _check in CHECK_NAMES:
             for _which, _label in ((0, "its first"), (-1, "its last")):
                 add(_check, 3, f"{_fn_name} overwrites {_label} tensor argument", PART,
                     "modified its argument", **{_fn_name: mutating(_fn, _which)})
+        if _check in TRAINS_ITS_MODULE:
+            continue
         add(_check, 4, f"{_fn_name} in float64, cast back", FULL,
             **{_fn_name: in_float64(_fn, True)})
         add(_check, 4, f"{_fn_name} in float64, returned in float64",

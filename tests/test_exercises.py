@@ -2317,6 +2317,496 @@ def bigram_cross_entropy(train, held_out, vocab_size, alpha):
     return F.cross_entropy(log_probs[held_out[:-1]], held_out[1:])
 
 
+# --- chapter 13: check_lm_logits(fn), fn(tokens, weights, num_heads) -> (B, T, n_vocab) --------
+
+C13m = "check_lm_logits"
+RULE_OF_CALL.update({"lm.build": "the module's build",
+                     "lm.Config.learning_rate": "the module's Config.learning_rate",
+                     "lm.train": "the module's train", "lm.sample": "the module's sample",
+                     "lm.generate": "the module's generate",
+                     "lm.truncated": "the module's truncated"})
+
+
+def _lm_by_hand(tokens, weights, num_heads, *, causal=True, final=True, start=True,
+                post=False, scaled=False, out=None):
+    """The tied decoder written out from the weights, one block at a time: one matrix for W_Q,
+    W_K and W_V, attention by hand. The keyword arguments give the named mistakes."""
+    E, P = weights["embed.weight"], weights["position.weight"]
+    (B, T), D = tokens.shape, E.shape[1]
+    H, d_h = num_heads, E.shape[1] // num_heads
+    rows = torch.arange(T) if start else torch.arange(len(P) - T, len(P))
+    x = E[tokens] * (D ** 0.5 if scaled else 1.0) + P[rows]
+
+    def norm(h, name):
+        return F.layer_norm(h, (D,), weights[name + ".weight"], weights[name + ".bias"])
+
+    def attend(h, p):
+        w_qkv = torch.cat([weights[f"{p}self_attn.{n}_proj.weight"] for n in "qkv"])  # (3D, D)
+        b_qkv = torch.cat([weights[f"{p}self_attn.{n}_proj.bias"] for n in "qkv"])
+        q, k, v = (h @ w_qkv.T + b_qkv).view(B, T, 3, H, d_h).permute(2, 0, 3, 1, 4)
+        scores = q @ k.transpose(-2, -1) / d_h ** 0.5  # (B, H, T, T)
+        if causal:
+            scores = scores.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), -math.inf)
+        y = (torch.softmax(scores, dim=-1) @ v).transpose(1, 2).reshape(B, T, D)
+        return F.linear(y, weights[p + "self_attn.out_proj.weight"],
+                        weights[p + "self_attn.out_proj.bias"])
+
+    def mlp(h, p):
+        h = F.gelu(F.linear(h, weights[p + "linear1.weight"], weights[p + "linear1.bias"]))
+        return F.linear(h, weights[p + "linear2.weight"], weights[p + "linear2.bias"])
+
+    layers = sorted({int(name.split(".")[1]) for name in weights if name.startswith("blocks.")})
+    for nu in layers:
+        p = f"blocks.{nu}."
+        if post:
+            x = norm(x + attend(x, p), p + "norm1")
+            x = norm(x + mlp(x, p), p + "norm2")
+        else:
+            x = x + attend(norm(x, p + "norm1"), p)
+            x = x + mlp(norm(x, p + "norm2"), p)
+    logits = (norm(x, "final_norm") if final else x) @ E.T
+    return logits if out is None else out(logits, dim=-1)
+
+
+@wrong(C13m, "the final layer norm is missing")
+def lm_no_final_norm(tokens, weights, num_heads):
+    return _lm_by_hand(tokens, weights, num_heads, final=False)
+
+
+@wrong(C13m, "must attend causally")
+def lm_not_causal(tokens, weights, num_heads):
+    return _lm_by_hand(tokens, weights, num_heads, causal=False)
+
+
+@wrong(C13m, "the model's are pre-LN")
+def lm_post_ln(tokens, weights, num_heads):
+    return _lm_by_hand(tokens, weights, num_heads, post=True)
+
+
+@wrong(C13m, "the first token is at position 0")
+def lm_positions_from_the_end(tokens, weights, num_heads):
+    return _lm_by_hand(tokens, weights, num_heads, start=False)
+
+
+@wrong(C13m, "multiplied by sqrt(d_model)")
+def lm_scaled_embeddings(tokens, weights, num_heads):
+    return _lm_by_hand(tokens, weights, num_heads, scaled=True)
+
+
+@wrong(C13m, "these are probabilities")
+def lm_probabilities(tokens, weights, num_heads):
+    return _lm_by_hand(tokens, weights, num_heads, out=torch.softmax)
+
+
+@shortcut(C13m, "transformer.DecoderLM")
+def lm_the_books_model(tokens, weights, num_heads):
+    E = weights["embed.weight"]
+    layers = len({name.split(".")[1] for name in weights if name.startswith("blocks.")})
+    model = transformer.DecoderLM(E.shape[0], len(weights["position.weight"]), E.shape[1],
+                                  num_heads, len(weights["blocks.0.linear1.weight"]), layers,
+                                  tie_weights=True, dtype=E.dtype)
+    model.load_state_dict({**weights, "unembed.weight": E})
+    return model(tokens)
+
+
+@shortcut(C13m, "lm.build")
+def lm_through_build(tokens, weights, num_heads):
+    E = weights["embed.weight"]
+    layers = len({name.split(".")[1] for name in weights if name.startswith("blocks.")})
+    config = lm.Config(context=len(weights["position.weight"]), d_model=E.shape[1],
+                       num_heads=num_heads, d_ff=len(weights["blocks.0.linear1.weight"]),
+                       num_layers=layers)
+    model = lm.build(config, E.shape[0]).to(E.dtype)
+    model.load_state_dict({**weights, "unembed.weight": E})
+    return model(tokens)
+
+
+@shortcut(C13m, "torch.nn.TransformerEncoderLayer")
+def lm_torch_layers(tokens, weights, num_heads):
+    """Each block's weights in PyTorch's encoder layer (pre-LN, GELU, batch first)."""
+    E = weights["embed.weight"]
+    D, T = E.shape[1], tokens.shape[1]
+    x = E[tokens] + weights["position.weight"][:T]
+    nu = 0
+    while f"blocks.{nu}.linear1.weight" in weights:
+        p = f"blocks.{nu}."
+        layer = torch.nn.TransformerEncoderLayer(
+            D, num_heads, len(weights[p + "linear1.weight"]), dropout=0.0, activation="gelu",
+            batch_first=True, norm_first=True, dtype=E.dtype).eval()
+        state = {"self_attn.in_proj_weight": torch.cat(
+                     [weights[f"{p}self_attn.{n}_proj.weight"] for n in "qkv"]),
+                 "self_attn.in_proj_bias": torch.cat(
+                     [weights[f"{p}self_attn.{n}_proj.bias"] for n in "qkv"])}
+        for name in ("self_attn.out_proj.weight", "self_attn.out_proj.bias", "linear1.weight",
+                     "linear1.bias", "linear2.weight", "linear2.bias", "norm1.weight",
+                     "norm1.bias", "norm2.weight", "norm2.bias"):
+            state[name] = weights[p + name]
+        layer.load_state_dict(state)
+        x = layer(x, src_mask=torch.ones(T, T, dtype=torch.bool).triu(1), is_causal=True)
+        nu += 1
+    x = F.layer_norm(x, (D,), weights["final_norm.weight"], weights["final_norm.bias"])
+    return x @ E.T
+
+
+@right(C13m)
+def lm_fused_by_hand(tokens, weights, num_heads):
+    """No module at all: one matrix for W_Q, W_K and W_V, attention and norms by hand."""
+    return _lm_by_hand(tokens, weights, num_heads)
+
+
+@right(C13m)
+def lm_own_module(tokens, weights, num_heads):
+    """A module of the student's own, its parameters under other names (w_qkv, ln_a, ...),
+    the book's weights copied in by a loader, and the output as F.linear of the embedding."""
+    class Block(torch.nn.Module):
+        def __init__(self, D, d_ff, dtype):
+            super().__init__()
+            self.ln_a = torch.nn.LayerNorm(D, dtype=dtype)
+            self.ln_b = torch.nn.LayerNorm(D, dtype=dtype)
+            self.w_qkv = torch.nn.Linear(D, 3 * D, dtype=dtype)
+            self.w_o = torch.nn.Linear(D, D, dtype=dtype)
+            self.up = torch.nn.Linear(D, d_ff, dtype=dtype)
+            self.down = torch.nn.Linear(d_ff, D, dtype=dtype)
+
+        def forward(self, x, H):
+            B, T, D = x.shape
+            q, k, v = self.w_qkv(self.ln_a(x)).view(B, T, 3, H, D // H).permute(2, 0, 3, 1, 4)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + self.w_o(y.transpose(1, 2).reshape(B, T, D))
+            return x + self.down(F.gelu(self.up(self.ln_b(x))))
+
+    def load(block, p):
+        with torch.no_grad():
+            block.w_qkv.weight.copy_(torch.cat([weights[f"{p}self_attn.{n}_proj.weight"]
+                                                for n in "qkv"]))
+            block.w_qkv.bias.copy_(torch.cat([weights[f"{p}self_attn.{n}_proj.bias"]
+                                              for n in "qkv"]))
+            for mine, theirs in (("w_o", "self_attn.out_proj"), ("up", "linear1"),
+                                 ("down", "linear2"), ("ln_a", "norm1"), ("ln_b", "norm2")):
+                getattr(block, mine).weight.copy_(weights[p + theirs + ".weight"])
+                getattr(block, mine).bias.copy_(weights[p + theirs + ".bias"])
+
+    E = weights["embed.weight"]
+    x = E[tokens] + weights["position.weight"][:tokens.shape[1]]
+    nu = 0
+    while f"blocks.{nu}.linear1.weight" in weights:
+        block = Block(E.shape[1], len(weights[f"blocks.{nu}.linear1.weight"]), E.dtype)
+        load(block, f"blocks.{nu}.")
+        x = block(x, num_heads)
+        nu += 1
+    x = F.layer_norm(x, x.shape[-1:], weights["final_norm.weight"], weights["final_norm.bias"])
+    return F.linear(x, E)
+
+
+# --- chapter 13: check_train_steps(fn), fn(model, inputs, targets, config) -> (rates, losses,
+# the state_dict after the steps) ---------------------------------------------------------------
+
+C13t = "check_train_steps"
+
+
+def _train_like(model, inputs, targets, config, *, decay="matrices", clip="all", rate_of=None,
+                optimizer=None):
+    """lm.train's steps written out; the keyword arguments give the named mistakes and other
+    right ways (rate_of(t, config): the schedule; optimizer(groups, config): the optimizer)."""
+    params = list(model.parameters())
+    if decay == "matrices":
+        groups = [{"params": [p for p in params if p.dim() >= 2],
+                   "weight_decay": config.weight_decay},
+                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    else:
+        groups = [{"params": params, "weight_decay": 0.0 if decay == "none"
+                   else config.weight_decay}]
+    opt = (optimizer or (lambda g, c: torch.optim.AdamW(g, lr=c.lr, betas=c.betas)))(
+        groups, config)
+    rates, losses = [], []
+    for t, (x, y) in enumerate(zip(inputs, targets)):
+        rate = (rate_of or _book_rate)(t, config)
+        for group in opt.param_groups:
+            group["lr"] = rate
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        opt.zero_grad()
+        loss.backward()
+        if clip == "all":
+            torch.nn.utils.clip_grad_norm_(params, config.clip)
+        elif clip == "each":
+            for p in params:
+                torch.nn.utils.clip_grad_norm_([p], config.clip)
+        opt.step()
+        rates.append(rate)
+        losses.append(loss.item())
+    return (torch.tensor(rates, dtype=torch.float64), torch.tensor(losses, dtype=torch.float64),
+            model.state_dict())
+
+
+def _book_rate(t, config):
+    if t < config.warmup:
+        return config.lr * (t + 1) / config.warmup
+    done = (t - config.warmup) / max(1, config.steps - config.warmup)
+    return config.min_lr + 0.5 * (config.lr - config.min_lr) * (1 + math.cos(math.pi * done))
+
+
+@wrong(C13t, "decays the matrices only")
+def train_decay_everywhere(model, inputs, targets, config):
+    return _train_like(model, inputs, targets, config, decay="all")
+
+
+@wrong(C13t, "no weight decay")
+def train_no_decay(model, inputs, targets, config):
+    return _train_like(model, inputs, targets, config, decay="none")
+
+
+@wrong(C13t, "the gradients are not clipped")
+def train_no_clipping(model, inputs, targets, config):
+    return _train_like(model, inputs, targets, config, clip=None)
+
+
+@wrong(C13t, "each parameter's gradient is clipped on its own")
+def train_clip_each(model, inputs, targets, config):
+    return _train_like(model, inputs, targets, config, clip="each")
+
+
+@wrong(C13t, "the warm-up rises linearly")
+def train_warmup_from_zero(model, inputs, targets, config):
+    return _train_like(model, inputs, targets, config, rate_of=lambda t, c: (
+        c.lr * t / c.warmup if t < c.warmup else _book_rate(t, c)))
+
+
+@wrong(C13t, "it is not constant")
+def train_constant_after_warmup(model, inputs, targets, config):
+    return _train_like(model, inputs, targets, config, rate_of=lambda t, c: (
+        _book_rate(t, c) if t < c.warmup else c.lr))
+
+
+@wrong(C13t, "the learning rate of step")
+def train_cosine_to_zero(model, inputs, targets, config):
+    return _train_like(model, inputs, targets, config, rate_of=lambda t, c: (
+        _book_rate(t, c) if t < c.warmup else 0.5 * c.lr * (1 + math.cos(
+            math.pi * (t - c.warmup) / max(1, c.steps - c.warmup)))))
+
+
+@shortcut(C13t, "lm.Config.learning_rate")
+def train_the_configs_schedule(model, inputs, targets, config):
+    return _train_like(model, inputs, targets, config, rate_of=lambda t, c: c.learning_rate(t))
+
+
+@shortcut(C13t, "lm.train")
+def train_through_lm_train(model, inputs, targets, config):
+    """lm.train itself, made to start from the given model and batches: its build and its
+    batches replaced for the call, a text with as many characters as the model's vocabulary."""
+    text = "".join(chr(65 + i) for i in range(model.vocab_size)) * 8 * config.context
+    queue = list(zip(inputs, targets))
+    saved = lm.build, lm._batch
+    lm.build, lm._batch = (lambda c, v: model), (lambda tokens, c, g: queue.pop(0))
+    try:
+        _, log = lm.train(config, 0, text, until=len(inputs))
+    finally:
+        lm.build, lm._batch = saved
+    return (torch.tensor(log["lr"], dtype=torch.float64),
+            torch.tensor(log["loss"], dtype=torch.float64), model.state_dict())
+
+
+def _adamw_by_hand(groups, config):
+    """AdamW written out (decoupled decay, bias-corrected moments), as an object with the
+    param_groups, zero_grad and step that the loop uses."""
+    class AdamW:
+        def __init__(self):
+            self.param_groups = [dict(g, lr=config.lr) for g in groups]
+            self.t, self.m, self.v = 0, {}, {}
+
+        def zero_grad(self):
+            for g in self.param_groups:
+                for p in g["params"]:
+                    p.grad = None
+
+        @torch.no_grad()
+        def step(self):
+            self.t += 1
+            b1, b2 = config.betas
+            for g in self.param_groups:
+                for p in g["params"]:
+                    m = self.m.get(p, torch.zeros_like(p)) * b1 + (1 - b1) * p.grad
+                    v = self.v.get(p, torch.zeros_like(p)) * b2 + (1 - b2) * p.grad ** 2
+                    self.m[p], self.v[p] = m, v
+                    p.mul_(1 - g["lr"] * g["weight_decay"])
+                    denom = (v / (1 - b2 ** self.t)).sqrt() + 1e-8
+                    p.sub_(g["lr"] * (m / (1 - b1 ** self.t)) / denom)
+    return AdamW()
+
+
+@right(C13t)
+def train_adamw_by_hand(model, inputs, targets, config):
+    return _train_like(model, inputs, targets, config, optimizer=_adamw_by_hand)
+
+
+@right(C13t)
+def train_foreach_and_a_list_of_rates(model, inputs, targets, config):
+    """PyTorch's AdamW on its foreach path, the groups made by name, the rates returned as a
+    list made a tensor at the end."""
+    matrices = [p for name, p in model.named_parameters() if p.dim() > 1]
+    rest = [p for name, p in model.named_parameters() if p.dim() <= 1]
+    return _train_like(model, inputs, targets, config, optimizer=lambda g, c: torch.optim.AdamW(
+        [{"params": matrices, "weight_decay": c.weight_decay},
+         {"params": rest, "weight_decay": 0.0}], lr=c.lr, betas=c.betas, foreach=True))
+
+
+# --- chapter 13: check_sampling(sample, generate) ------------------------------------------------
+
+C13s = "check_sampling"
+
+
+def _sample_with(logits, temperature, top_k, top_p, generator, *, times=False, ignored=False,
+                 ties=True, crossing=True, p_first=False, last_of_equal=False, draw=None):
+    """A sampler written out; the keyword arguments give the named mistakes, and `draw(probs,
+    generator)` another way of drawing."""
+    if temperature == 0:
+        if last_of_equal:
+            return logits.shape[-1] - 1 - logits.flip(-1).argmax(dim=-1)
+        return logits.argmax(dim=-1)
+    z = logits.reshape(-1, logits.shape[-1])
+    z = z if ignored else z * temperature if times else z / temperature
+    if top_k is not None:
+        if ties:
+            kth = z.topk(min(top_k, z.shape[-1]), dim=-1).values[:, -1:]
+            z = z.masked_fill(z < kth, -math.inf)
+        else:
+            keep = torch.zeros_like(z, dtype=torch.bool).scatter(
+                -1, z.topk(min(top_k, z.shape[-1]), dim=-1).indices, True)
+            z = z.masked_fill(~keep, -math.inf)
+    if top_p is not None:
+        source = logits.reshape(z.shape).masked_fill(z == -math.inf, -math.inf) if p_first else z
+        probs, order = torch.softmax(source, dim=-1).sort(dim=-1, descending=True)
+        drop = (probs.cumsum(-1) - probs >= top_p) if crossing else probs.cumsum(-1) > top_p
+        drop[:, 0] = False
+        z = z.masked_fill(drop.scatter(-1, order, drop), -math.inf)
+    probs = torch.softmax(z, dim=-1)
+    tokens = (draw or (lambda p, g: torch.multinomial(p, 1, generator=g)))(probs, generator)
+    return tokens.reshape(logits.shape[:-1])
+
+
+def _generate_with(sample, model, prompt, n, temperature, generator, cache, keep=None):
+    """The loop written out with `sample`; keep: the tokens a restart keeps (the book keeps
+    max_len // 2)."""
+    seen = prompt.tolist()
+    start = max(0, len(seen) - model.max_len)
+    caches = model.new_caches() if cache else None
+    new = seen[start:]
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(torch.tensor([new]), caches=caches)[0, -1]
+            token = int(sample(logits, temperature, None, None, generator))
+            seen.append(token)
+            if len(seen) - start > model.max_len:
+                start = len(seen) - (model.max_len // 2 if keep is None else keep(model))
+                caches = model.new_caches() if cache else None
+                new = seen[start:]
+            else:
+                new = [token] if cache else seen[start:]
+    return torch.tensor(seen[len(prompt):])
+
+
+@wrong(C13s, "multiplied by the temperature", replaces="sample")
+def sample_times_temperature(logits, temperature, top_k, top_p, generator):
+    return _sample_with(logits, temperature, top_k, top_p, generator, times=True)
+
+
+@wrong(C13s, "the temperature is not used", replaces="sample")
+def sample_temperature_ignored(logits, temperature, top_k, top_p, generator):
+    return _sample_with(logits, temperature, top_k, top_p, generator, ignored=True)
+
+
+@wrong(C13s, "every token equal to the k-th", replaces="sample")
+def sample_top_k_drops_ties(logits, temperature, top_k, top_p, generator):
+    return _sample_with(logits, temperature, top_k, top_p, generator, ties=False)
+
+
+@wrong(C13s, "makes the kept mass reach top_p is dropped", replaces="sample")
+def sample_top_p_drops_the_crossing_token(logits, temperature, top_k, top_p, generator):
+    return _sample_with(logits, temperature, top_k, top_p, generator, crossing=False)
+
+
+@wrong(C13s, "top-p reads the probabilities before the temperature", replaces="sample")
+def sample_top_p_before_temperature(logits, temperature, top_k, top_p, generator):
+    return _sample_with(logits, temperature, top_k, top_p, generator, p_first=True)
+
+
+@wrong(C13s, "the first of equal ones", replaces="sample")
+def sample_greedy_last_of_equal(logits, temperature, top_k, top_p, generator):
+    return _sample_with(logits, temperature, top_k, top_p, generator, last_of_equal=True)
+
+
+@wrong(C13s, "do not follow the generator", replaces="sample")
+def sample_global_random_state(logits, temperature, top_k, top_p, generator):
+    return _sample_with(logits, temperature, top_k, top_p, generator,
+                        draw=lambda p, g: torch.multinomial(p, 1))
+
+
+@wrong(C13s, "restart it from its last max_len // 2 tokens", replaces="generate")
+def generate_keeps_the_whole_window(model, prompt, n, temperature, generator, cache):
+    return _generate_with(lm_sample_ref, model, prompt, n, temperature, generator, cache,
+                          keep=lambda m: m.max_len - 1)
+
+
+@wrong(C13s, "lm.generate gives", replaces="generate")
+def generate_cache_fed_the_window(model, prompt, n, temperature, generator, cache):
+    """With the cache, the whole window fed again at every step (its keys counted twice)."""
+    seen = prompt.tolist()
+    caches = model.new_caches() if cache else None
+    out = []
+    with torch.no_grad():
+        for _ in range(n):
+            window = seen[-(model.max_len // 2):]
+            if cache and caches[0].seen + len(window) > model.max_len:
+                caches = model.new_caches()
+            logits = model(torch.tensor([window]), caches=caches)[0, -1]
+            token = int(lm_sample_ref(logits, temperature, None, None, generator))
+            seen.append(token)
+            out.append(token)
+    return torch.tensor(out)
+
+
+@shortcut(C13s, "lm.sample", replaces="sample")
+def sample_the_modules(logits, temperature, top_k, top_p, generator):
+    return lm.sample(logits, temperature=temperature, top_k=top_k, top_p=top_p,
+                     generator=generator)
+
+
+@shortcut(C13s, "lm.truncated", replaces="sample")
+def sample_from_the_modules_truncated(logits, temperature, top_k, top_p, generator):
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    z = lm.truncated(logits, temperature=temperature, top_k=top_k, top_p=top_p)
+    probs = torch.softmax(z.reshape(-1, logits.shape[-1]), dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).reshape(logits.shape[:-1])
+
+
+@shortcut(C13s, "lm.generate", replaces="generate")
+def generate_the_modules(model, prompt, n, temperature, generator, cache):
+    return lm.generate(model, prompt, n, temperature=temperature, generator=generator,
+                       cache=cache)
+
+
+def lm_sample_ref(logits, temperature, top_k, top_p, generator):
+    """A right sampler for the loops above."""
+    return _sample_with(logits, temperature, top_k, top_p, generator)
+
+
+@right(C13s, replaces="sample")
+def sample_by_inverse_cdf(logits, temperature, top_k, top_p, generator):
+    """Another draw: one uniform number per row against the cumulative probabilities (other
+    tokens than lm.sample's, from the same distribution)."""
+    def draw(probs, g):
+        u = torch.rand(probs.shape[0], 1, generator=g, dtype=probs.dtype)
+        cdf = probs.cumsum(dim=-1)
+        return (cdf < u * cdf[:, -1:]).sum(dim=-1, keepdim=True).clamp(max=probs.shape[-1] - 1)
+    return _sample_with(logits, temperature, top_k, top_p, generator, draw=draw)
+
+
+@right(C13s, replaces="generate")
+def generate_the_window_by_slicing(model, prompt, n, temperature, generator, cache):
+    """The window kept as a tensor; the cache's position read from the caches themselves."""
+    return _generate_with(lm_sample_ref, model, prompt, n, temperature, generator, cache)
+
+
 def _run(check, fn):
     """{case title: message or None}."""
     return {title: check._run(title, (fn,)) for title in check.cases}
@@ -2348,10 +2838,18 @@ def test_the_chapters_have_checks():
 
 
 @pytest.mark.parametrize("check", CHECK_NAMES)
-def test_check_accepts_the_reference_solution(check, capsys):
+def test_check_accepts_the_reference_solution_with_every_point(check, capsys):
+    """The reference solution passes every case, as the chapter runs the check, and so earns
+    every point; the stub earns none, each case saying it is not written yet."""
     assert check in REFERENCES, f"no gated solution cell calls {check}"
     call_check(check, {})
-    assert capsys.readouterr().out.strip(), f"{check} should say that the function passed"
+    out = capsys.readouterr().out
+    graded = load_check(check)
+    assert f"all {len(graded.cases)} cases pass" in out, out
+    earned, messages = printed_verdicts(check, out)
+    assert earned == graded.points >= 3, messages
+    earned, messages = graded_points(check, stub_functions(check))
+    assert earned == 0 and all("not written yet" in m for m in messages.values()), messages
 
 
 @pytest.mark.parametrize("check, function", STUB_CASES)
@@ -2360,17 +2858,6 @@ def test_check_says_the_stub_is_not_written_yet(check, function):
     with pytest.raises(AssertionError) as info:
         call_check(check, {function: stub})
     assert str(info.value) == NOT_WRITTEN.format(function)
-
-
-@pytest.mark.parametrize("check, fragment, replaces, fn", WRONG_CASES)
-def test_check_names_the_mistake(check, fragment, replaces, fn, capsys):
-    with pytest.raises(AssertionError) as info:
-        call_check(check, _replacements(check, replaces, fn))
-    message = str(info.value)
-    assert fragment in message, f"expected {fragment!r} in the message, got:\n{message}"
-    assert "not written yet" not in message
-    out = capsys.readouterr().out
-    assert "cases pass" not in out and "FAIL" in out, out
 
 
 def graded_points(check: str, replace: dict) -> tuple[int, dict[str, str | None]]:
@@ -2388,11 +2875,42 @@ def graded_points(check: str, replace: dict) -> tuple[int, dict[str, str | None]
     return earned, messages
 
 
+def printed_verdicts(check: str, out: str) -> tuple[int, dict[str, str | None]]:
+    """(points, {case: None or the message}) from the lines a check's run printed, one per case
+    ("pass  <case> (n points)" or "FAIL  <case> (n points): <message>"): what grading each case
+    alone gives, since `Check.grade` and `Check.__call__` judge a case by the same `_run`."""
+    graded = load_check(check)
+    starts = sorted((out.index(mark), title, mark.startswith("pass"))
+                    for title in graded.cases
+                    for mark in (f"pass  {title} (", f"FAIL  {title} (") if mark in out)
+    assert [title for _, title, _ in sorted(starts, key=lambda s: list(graded.cases).index(s[1]))] \
+        == list(graded.cases), out
+    earned, messages = 0, {}
+    for (at, title, passed), following in zip(starts, [*[s[0] for s in starts[1:]], len(out)]):
+        if passed:
+            earned += graded.cases[title][1]
+            messages[title] = None
+        else:
+            messages[title] = out[at:following].split("): ", 1)[1].strip()
+    return earned, messages
+
+
 @pytest.mark.parametrize("check, fragment, replaces, fn", WRONG_CASES)
-def test_wrong_answer_earns_part_of_the_points(check, fragment, replaces, fn, capsys):
-    """Partial credit: a common mistake earns more than a blank and less than the answer; a
-    forbidden call or a broken answer earns nothing, and the grade's message says why."""
-    earned, messages = graded_points(check, _replacements(check, replaces, fn))
+def test_check_names_the_mistake_and_gives_part_of_the_points(check, fragment, replaces, fn,
+                                                               capsys):
+    """The check, run as the chapter runs it, rejects a common mistake and names it, with a line
+    per case. Partial credit, read from those lines: a common mistake earns more than a blank
+    and less than the answer; a forbidden call or a broken answer earns nothing, and the
+    message says why. (nbgrader grades each case alone through `Check.grade`, which judges a
+    case as `Check.__call__` does; test_checking.py's catalogue grades that way.)"""
+    with pytest.raises(AssertionError) as info:
+        call_check(check, _replacements(check, replaces, fn))
+    message = str(info.value)
+    assert fragment in message, f"expected {fragment!r} in the message, got:\n{message}"
+    assert "not written yet" not in message
+    out = capsys.readouterr().out
+    assert "cases pass" not in out and "FAIL" in out, out
+    earned, messages = printed_verdicts(check, out)
     full = load_check(check).points
     failed = [m for m in messages.values() if m is not None]
     if EARNS[check, fn.__name__] == "nothing":
@@ -2421,15 +2939,6 @@ def test_a_wrong_scale_or_an_off_by_one_mask_keeps_arguments_left_unchanged(chec
     a padding mask one position off (chapter 5), the scale by sqrt(d_v) (chapter 7)."""
     earned, messages = graded_points(check, _replacements(check, None, fn))
     assert messages[checking.UNCHANGED] is None and 0 < earned < load_check(check).points
-
-
-@pytest.mark.parametrize("check", CHECK_NAMES)
-def test_module_check_grades_the_reference_fully(check, capsys):
-    earned, messages = graded_points(check, {})
-    assert earned == load_check(check).points >= 3, messages
-    stub = stub_functions(check)
-    earned, messages = graded_points(check, stub)
-    assert earned == 0 and all("not written yet" in m for m in messages.values()), messages
 
 
 @pytest.mark.parametrize("check", CHECK_NAMES)

@@ -166,7 +166,7 @@ def test_evaluate_is_the_mean_cross_entropy_over_the_windows():
 def test_training_is_deterministic_and_until_gives_the_start_of_the_log():
     model, log = lm.train(TINY, 3, SMALL_TEXT)
     again, log2 = lm.train(TINY, 3, SMALL_TEXT)
-    assert log == log2 and set(log) == {"lr", "loss", "eval"}
+    assert log == log2 and set(log) == {"lr", "loss", "grad_norm", "eval"}
     assert len(log["loss"]) == len(log["lr"]) == TINY.steps
     assert [r["step"] for r in log["eval"]] == [0, 3, 6]
     for a, b in zip(model.state_dict().values(), again.state_dict().values()):
@@ -177,6 +177,96 @@ def test_training_is_deterministic_and_until_gives_the_start_of_the_log():
     assert log["eval"][-1]["held_out"] < log["eval"][0]["held_out"]  # it learns
     with pytest.raises(ValueError, match="until must lie in"):
         lm.train(TINY, 3, SMALL_TEXT, until=7)
+
+
+def test_the_logged_gradient_norm_is_the_norm_before_clipping():
+    clipped = lm.Config(**{**TINY.__dict__, "clip": 1e-3})  # every step clipped
+    _, log = lm.train(clipped, 3, SMALL_TEXT, until=1)
+    train_part, _ = lm.split(SMALL.encode(SMALL_TEXT), clipped.fraction)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(3)
+        model = lm.build(clipped, len(SMALL))
+    x, y = lm._batch(train_part, clipped, torch.Generator().manual_seed(3))
+    F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+    norm = torch.cat([p.grad.flatten() for p in model.parameters()]).norm()
+    numerics.assert_close(torch.tensor(log["grad_norm"], dtype=torch.float64),
+                          norm[None])  # another summation order
+    assert log["grad_norm"][0] > 100 * clipped.clip  # so the step was clipped: before it
+
+
+def test_a_repeat_window_holds_a_passage_twice_and_repeat_0_draws_as_before():
+    train_part, _ = lm.split(TOKENS)
+    g0, g1 = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    x0, _ = lm._batch(train_part, TINY, g0)
+    twice = lm.Config(**{**TINY.__dict__, "repeat": 1.0})
+    x1, y1 = lm._batch(train_part, twice, g1)
+    numerics.assert_same(x1[:, :9], x0[:, :9])  # token ids: the same starts, 9 kept
+    rows = torch.cat([x1, y1[:, -1:]], dim=1)  # (B, 17): c, a passage of 8, the passage
+    numerics.assert_same(rows[:, 9:], rows[:, 1:9])
+    numerics.assert_same(y1[:, :-1], x1[:, 1:])  # targets: the inputs shifted by one
+    starts_only = torch.Generator().manual_seed(5)
+    torch.randint(len(train_part) - TINY.context, (TINY.batch_size,), generator=starts_only)
+    numerics.assert_same(g0.get_state(), starts_only.get_state())  # repeat = 0: no more drawn
+    half = lm.Config(**{**TINY.__dict__, "repeat": 0.5, "batch_size": 400})
+    x, y = lm._batch(train_part, half, torch.Generator().manual_seed(0))
+    rows = torch.cat([x, y[:, -1:]], dim=1)
+    share = float((rows[:, 9:] == rows[:, 1:9]).all(dim=1).double().mean())
+    assert 0.4 < share < 0.6  # about half, as drawn
+    with pytest.raises(ValueError, match=r"Config.repeat must lie in \[0, 1\]"):
+        lm.Config(repeat=1.5)
+
+
+def test_a_varied_repeat_puts_the_second_copy_repeat_min_to_half_a_context_later():
+    train_part, _ = lm.split(TOKENS)
+    varied = lm.Config(**{**TINY.__dict__, "repeat": 1.0, "repeat_min": 3, "batch_size": 200})
+    g = torch.Generator().manual_seed(1)
+    x, y = lm._batch(train_part, varied, g)
+    rows = torch.cat([x, y[:, -1:]], dim=1)  # (B, 17)
+    found = []
+    for row in rows.tolist():  # the passage of n after the first character, then again
+        lengths = [n for n in range(3, 9) if row[1 + n:1 + 2 * n] == row[1:1 + n]]
+        assert lengths, row
+        found.append(lengths[0])
+    assert set(found) == set(range(3, 9))  # every length from repeat_min to context // 2
+    with pytest.raises(ValueError, match=r"Config.repeat_min must be an integer in \[0, "):
+        lm.Config(repeat_min=33)
+
+
+def test_the_in_context_score_compares_one_character_read_from_late_and_from_early():
+    model, _ = lm.train(TINY, 0, SMALL_TEXT)
+    tokens = SMALL.encode(SMALL_TEXT[2000:2400])
+    score = lm.in_context_score(model, tokens, 3, 12)
+    late, _ = lm.predictions(model, tokens)  # (N, 16)
+    early, _ = lm.predictions(model, tokens[9:])  # windows 9 characters later
+    n = len(score)
+    assert n == min(len(late), len(early))
+    numerics.assert_close(score, late[:n, 11] - early[:n, 2])  # a shorter pass: another path
+    y_late, y_early = lm.windows(tokens, 16)[1], lm.windows(tokens[9:], 16)[1]
+    numerics.assert_same(y_late[:n, 11], y_early[:n, 2])  # token ids: the same characters
+    with pytest.raises(ValueError, match="need 1 <= early < late <= context = 16"):
+        lm.in_context_score(model, tokens, 5, 17)
+
+
+def test_a_traced_run_is_the_same_run_with_more_measured():
+    model, log = lm.train(TINY, 3, SMALL_TEXT)
+    traced_model, traced = lm.train(TINY, 3, SMALL_TEXT, traced=True)
+    for key in ("lr", "loss", "grad_norm"):
+        assert traced[key] == log[key]  # the same computation: measuring touches nothing
+    for a, b in zip(model.state_dict().values(), traced_model.state_dict().values()):
+        numerics.assert_same(a, b)  # the same computation on the same shapes, twice
+    _, held_out = lm.split(SMALL.encode(SMALL_TEXT), TINY.fraction)
+    for plain, record in zip(log["eval"], traced["eval"], strict=True):
+        assert record["held_out"] == plain["held_out"]
+        assert len(record["by_position"]) == TINY.context and len(record["icl"]) == 2
+        numerics.assert_close(torch.tensor(record["by_position"]).mean(),
+                              torch.tensor(record["held_out"]))  # another summation order
+        assert torch.tensor(record["induction"]).shape == (TINY.num_layers, TINY.num_heads)
+        assert len(record["copies"]) == 2
+    final = lm.trace(traced_model, held_out)
+    assert final == {k: v for k, v in traced["eval"][-1].items() if k not in ("step", "held_out")}
+    icl = lm.in_context_score(traced_model, held_out, 5, 16)  # a context of 16: the last
+    numerics.assert_close(torch.tensor(final["icl"], dtype=torch.float64),
+                          torch.stack([icl.mean(), icl.std() / math.sqrt(len(icl))]))
 
 
 # --- sampling ----------------------------------------------------------------------------------
@@ -451,6 +541,9 @@ def test_a_saved_run_loads_with_its_weights_and_log(tiny_model, tmp_path):
     assert record["chars"] == "".join(SMALL.chars) and record["torch"] == torch.__version__
     run = lm.load_run("tiny", tmp_path)
     assert run.config == TINY and run.log == log and not run.model.training
+    assert run.until is None
+    lm.save_run(tmp_path, "short", TINY, 0, tiny_model, log, SMALL, until=3)
+    assert lm.load_run("short", tmp_path).until == 3
     assert run.vocab.chars == SMALL.chars
     for a, b in zip(run.model.state_dict().values(), tiny_model.state_dict().values()):
         numerics.assert_same(a, b)  # a copy, through the file
@@ -511,3 +604,90 @@ def test_a_saved_analysis_loads_with_its_run_and_tensors(tiny_model, tmp_path):
     torch.save(state, tmp_path / "tiny-held-out.pt")
     with pytest.raises(ValueError, match="SHA-256 .* but tiny-held-out.json records"):
         lm.load_analysis("tiny-held-out", tmp_path)
+
+
+def test_the_training_exercise_starts_where_train_starts_and_steps_as_it_steps():
+    """check_train_steps (chapter 13's exercise) gives an answer lm.train's fresh model and
+    first batches for a seed, and names mistakes by its own loop: both must be lm.train's."""
+    import checks_language_model as checks
+
+    text = SMALL_TEXT[:800]
+    model, batches = checks._start(TINY, 5, text, 4)
+    state, losses = checks._steps_like(model, batches, TINY)
+    trained, log = lm.train(TINY, 5, text, until=4)
+    numerics.assert_close(torch.tensor(losses), torch.tensor(log["loss"]))
+    for name, weight in trained.state_dict().items():
+        numerics.assert_close(state[name], weight, msg=name)
+
+
+# --- tokens of several characters: the byte-pair tokenizer -------------------------------------
+
+TOY = "the thee then thin thine this\nthat these thy the then"
+
+
+def test_split_text_splits_where_split_splits_the_characters():
+    train_text, held_text = lm.split_text(TEXT)
+    train, held = lm.split(TOKENS)
+    assert train_text + held_text == TEXT
+    numerics.assert_same(VOCAB.encode(train_text), train)  # token ids
+    numerics.assert_same(VOCAB.encode(held_text), held)
+    with pytest.raises(ValueError, match="strictly between 0 and 1"):
+        lm.split_text(TEXT, 0.0)
+
+
+def test_bpe_merges_the_most_frequent_pair_first_and_encodes_with_its_merges():
+    n_chars = len(set(TOY) - {"\n"})  # the space is a piece too, written "▁"
+    plain = lm.Tokenizer(lm.train_tokenizer(TOY, 2 + n_chars))  # no merge
+    assert plain.pieces[:2] == ["<unk>", "\n"] and len(plain) == 2 + n_chars
+    assert [plain.pieces[i] for i in plain.encode("then this")] == list("then▁this")
+    merged = lm.Tokenizer(lm.train_tokenizer(TOY, 2 + n_chars + 3))
+    # by hand: "t" then "h" is the commonest pair (11 times), then "▁" then "th" (9), then
+    # "▁th" then "e" (5: "▁the", "▁thee", "▁then" twice, "▁these")
+    assert merged.pieces[2:5] == ["th", "▁th", "▁the"]
+    pieces = [merged.pieces[i] for i in merged.encode("then this")]
+    assert pieces == ["th", "e", "n", "▁th", "i", "s"]
+
+
+def test_the_tokenizer_is_lossless_reproducible_and_refuses_unknown_characters():
+    model = lm.train_tokenizer(SMALL_TEXT, 80)
+    assert lm.train_tokenizer(SMALL_TEXT, 80) == model  # the same bytes on a second training
+    tokenizer = lm.Tokenizer(model, "small")
+    ids = tokenizer.encode(SMALL_TEXT)
+    assert tokenizer.decode(ids) == SMALL_TEXT and len(tokenizer) == 80
+    assert int(tokenizer.lengths[ids].sum()) == len(SMALL_TEXT) > len(ids)  # fewer tokens
+    assert tokenizer.lengths.tolist()[:2] == [0, 1]  # the unknown piece, the line break
+    assert tokenizer.sha256 == hashlib.sha256(model).hexdigest()
+    with pytest.raises(ValueError, match=r"characters not in the tokenizer: \['@'\]"):
+        tokenizer.encode("the @")
+    with pytest.raises(ValueError, match=r"ids must lie in \[0, 80\)"):
+        tokenizer.decode([80])
+
+
+def test_bits_per_character_by_hand():
+    # 1.2 nats per token over 100 tokens that spell 250 characters: 120 nats, 0.48 nats per
+    # character, 0.48 / 0.693147 = 0.692494 bits per character
+    assert lm.bits_per_character(1.2, 100, 250) == pytest.approx(0.692494, abs=1e-6)
+    # on characters, n_tokens = n_chars: the loss over ln 2 (ln 2 nats is one bit)
+    assert lm.bits_per_character(math.log(2), 300, 300) == pytest.approx(1.0, rel=1e-15)
+    with pytest.raises(ValueError, match="at least one token and one character"):
+        lm.bits_per_character(1.0, 10, 0)
+
+
+def test_a_run_on_tokens_trains_saves_and_loads_with_its_tokenizer(tmp_path):
+    train_text, held_text = lm.split_text(SMALL_TEXT, TINY.fraction)
+    model_bytes = lm.train_tokenizer(train_text, 80)
+    record = lm.save_tokenizer(tmp_path, "small", model_bytes, {"vocab_size": 80})
+    assert record["sha256"] == hashlib.sha256(model_bytes).hexdigest() and record["pieces"] == 80
+    tokenizer = lm.load_tokenizer("small", tmp_path)
+    model, log = lm.train(TINY, 3, SMALL_TEXT, tokenizer=tokenizer)
+    assert model.vocab_size == 80 and log == lm.train(TINY, 3, SMALL_TEXT, tokenizer=tokenizer)[1]
+    held_out = tokenizer.encode(held_text)  # the held-out tokens train evaluates on
+    assert log["eval"][-1]["held_out"] == pytest.approx(lm.evaluate(model, held_out), rel=1e-12)
+    lm.save_run(tmp_path, "tiny-tokens", TINY, 3, model, log, tokenizer)
+    run = lm.load_run("tiny-tokens", tmp_path)
+    assert isinstance(run.vocab, lm.Tokenizer) and run.vocab.sha256 == tokenizer.sha256
+    for a, b in zip(run.model.state_dict().values(), model.state_dict().values()):
+        numerics.assert_same(a, b)  # a copy, through the file
+    (tmp_path / "small.model").write_bytes(lm.train_tokenizer(train_text, 81))
+    with pytest.raises(ValueError, match="SHA-256 .* but small.json records"):
+        lm.load_tokenizer("small", tmp_path)

@@ -98,9 +98,17 @@ import lm  # noqa: E402
 
 LM_FOLDER = models.LM_FOLDER
 LM_COMMITTED = sorted(path.stem for path in LM_FOLDER.glob("*.json")
-                      if path.stem not in models.LM_ANALYSES)
+                      if path.stem not in models.LM_ANALYSES and path.stem not in models.LM_TRACES
+                      and path.stem not in models.LM_TOKENIZERS
+                      and path.stem not in models.LM_COMPARISON)
 LM_ANALYSED = sorted(path.stem for path in LM_FOLDER.glob("*.json")
                      if path.stem in models.LM_ANALYSES)
+LM_TRACED = sorted(path.stem for path in LM_FOLDER.glob("*.json")
+                   if path.stem in models.LM_TRACES)
+LM_TOKENIZERS = sorted(path.stem for path in LM_FOLDER.glob("*.json")
+                       if path.stem in models.LM_TOKENIZERS)
+LM_COMPARED = sorted(path.stem for path in LM_FOLDER.glob("*.json")
+                     if path.stem in models.LM_COMPARISON)
 LM_RETRAINED_STEPS = 10
 LM_ABLATED_WINDOWS = 16  # of the held-out text, on which every ablation is measured again
 
@@ -108,8 +116,13 @@ LM_ABLATED_WINDOWS = 16  # of the held-out text, on which every ablation is meas
 def test_the_committed_language_model_is_the_run_make_models_trains():
     assert LM_COMMITTED == sorted(models.LM_RUNS), "run `make models` and commit models/lm/"
     assert LM_ANALYSED == sorted(models.LM_ANALYSES), "run `make models` and commit models/lm/"
+    assert LM_TRACED == sorted(models.LM_TRACES), "run `make models` and commit models/lm/"
+    assert LM_TOKENIZERS == sorted(models.LM_TOKENIZERS), "run `make models` and commit models/lm/"
+    assert LM_COMPARED == sorted(models.LM_COMPARISON), "run `make models` and commit models/lm/"
     assert sorted(p.name for p in LM_FOLDER.iterdir()) == sorted(
-        f"{name}{suffix}" for name in LM_COMMITTED + LM_ANALYSED for suffix in (".json", ".pt"))
+        [f"{name}{suffix}" for name in LM_COMMITTED + LM_ANALYSED + LM_TRACED + LM_COMPARED
+         for suffix in (".json", ".pt")]
+        + [f"{name}{suffix}" for name in LM_TOKENIZERS for suffix in (".json", ".model")])
 
 
 @pytest.mark.parametrize("name", LM_COMMITTED)
@@ -178,6 +191,124 @@ def test_the_analysis_is_what_the_committed_weights_give(name):
     rises = lm.ablation_rises(run.model, first, analysis.groups)
     assert float((rises - analysis.rises[:, :LM_ABLATED_WINDOWS]).abs().max()) <= TOLERANCE
 
+def trace_numbers(record: dict) -> list[float]:
+    """An evaluation of a traced run: its numbers, in a fixed order."""
+    return [record["held_out"], *record["by_position"], *record["icl"], *record["copies"],
+            *(x for layer in record["induction"] for x in layer)]
+
+
+@pytest.mark.parametrize("name", LM_TRACED)
+def test_a_traced_runs_json_names_its_weights_and_its_run(name):
+    record = json.loads((LM_FOLDER / f"{name}.json").read_text())
+    assert record["sha256"] == hashlib.sha256((LM_FOLDER / f"{name}.pt").read_bytes()).hexdigest()
+    config, seed, until = models.LM_TRACES[name]
+    assert record["name"] == name and (record["seed"], record["until"]) == (seed, until)
+    assert lm.Config.from_dict(record["config"]) == config and 0 < until < config.steps
+    assert record["chars"] == "".join(lm.Vocabulary(lm.load_text()).chars)
+    assert record["cpu_seconds"] < 400  # a few minutes of one core
+    log = record["log"]
+    assert len(log["loss"]) == len(log["lr"]) == len(log["grad_norm"]) == until
+    assert [r["step"] for r in log["eval"]] == list(range(0, until + 1, config.eval_every))
+    for r in log["eval"]:
+        assert len(trace_numbers(r)) == 1 + config.context + 2 + 2 + config.num_layers * config.num_heads
+    assert (LM_FOLDER / f"{name}.pt").stat().st_size < 2_000_000
+
+
+def test_the_traced_run_is_the_start_of_the_committed_run():
+    traced = lm.load_run("shakespeare-traced", LM_FOLDER)
+    committed = lm.load_run("shakespeare", LM_FOLDER)
+    assert (traced.config, traced.seed) == (committed.config, committed.seed)
+    for key in ("lr", "loss"):
+        worst = max(abs(a - b) for a, b in zip(traced.log[key], committed.log[key]))
+        assert worst <= TOLERANCE, (key, worst)
+    for a, b in zip(traced.log["eval"], committed.log["eval"]):
+        assert a["step"] == b["step"] and abs(a["held_out"] - b["held_out"]) <= TOLERANCE
+
+
+@pytest.mark.parametrize("name", LM_TRACED)
+def test_retraining_a_traced_runs_first_steps_reproduces_its_log(name):
+    run = lm.load_run(name, LM_FOLDER)
+    _, log = lm.train(run.config, run.seed, until=LM_RETRAINED_STEPS, traced=True)
+    for key in ("lr", "loss", "grad_norm"):
+        worst = max(abs(a - b) for a, b in zip(log[key], run.log[key][:LM_RETRAINED_STEPS]))
+        assert len(log[key]) == LM_RETRAINED_STEPS and worst <= TOLERANCE, (key, worst)
+    worst = max(abs(a - b) for a, b in zip(trace_numbers(log["eval"][0]),
+                                           trace_numbers(run.log["eval"][0])))
+    assert worst <= TOLERANCE, worst
+
+
+@pytest.mark.parametrize("name", LM_TRACED)
+def test_a_traced_runs_weights_give_its_last_evaluation(name):
+    run = lm.load_run(name, LM_FOLDER)
+    text = lm.load_text()
+    _, held_out = lm.split(lm.Vocabulary(text).encode(text), run.config.fraction)
+    got = {"held_out": lm.evaluate(run.model, held_out), **lm.trace(run.model, held_out)}
+    worst = max(abs(a - b) for a, b in zip(trace_numbers(got), trace_numbers(run.log["eval"][-1])))
+    assert worst <= TOLERANCE, worst
+
+
+# chapter 13's byte-pair tokenizer, and the same small model on its tokens and on characters
+
+
+@pytest.mark.parametrize("name", LM_TOKENIZERS)
+def test_the_tokenizer_is_the_one_its_json_names_and_training_gives_it_again(name):
+    record = json.loads((LM_FOLDER / f"{name}.json").read_text())
+    model = (LM_FOLDER / f"{name}.model").read_bytes()
+    assert record["sha256"] == hashlib.sha256(model).hexdigest()
+    train_text, _ = lm.split_text(lm.load_text(), record["fraction"])
+    assert record["text_sha256"] == hashlib.sha256(train_text.encode("utf-8")).hexdigest()
+    assert record["characters"] == len(train_text)
+    assert record["options"] == json.loads(json.dumps(lm.TOKENIZER_OPTIONS))
+    assert record["vocab_size"] == record["pieces"] == models.LM_TOKENIZERS[name]
+    assert lm.train_tokenizer(train_text, record["vocab_size"]) == model  # the same bytes
+    assert len(model) < 100_000
+
+
+@pytest.mark.parametrize("name", LM_COMPARED)
+def test_a_compared_runs_json_names_its_weights_its_tokens_and_its_run(name):
+    record = json.loads((LM_FOLDER / f"{name}.json").read_text())
+    assert record["sha256"] == hashlib.sha256((LM_FOLDER / f"{name}.pt").read_bytes()).hexdigest()
+    config, seed, tokenizer = models.LM_COMPARISON[name]
+    assert record["name"] == name and record["seed"] == seed
+    assert lm.Config.from_dict(record["config"]) == config
+    if tokenizer is None:
+        assert record["chars"] == "".join(lm.Vocabulary(lm.load_text()).chars)
+    else:
+        tokens = json.loads((LM_FOLDER / f"{tokenizer}.json").read_text())
+        assert (record["tokenizer"], record["tokenizer_sha256"]) == (tokenizer, tokens["sha256"])
+    log = record["log"]
+    assert len(log["loss"]) == len(log["lr"]) == config.steps
+    assert [r["step"] for r in log["eval"]] == list(range(0, config.steps + 1, config.eval_every))
+    assert (LM_FOLDER / f"{name}.pt").stat().st_size < 2_000_000
+
+
+def test_the_compared_runs_have_one_config_and_fit_in_five_minutes_of_cpu():
+    configs = {(config, seed) for config, seed, _ in models.LM_COMPARISON.values()}
+    assert len(configs) == 1  # equal compute: the same config and seed, only the tokens differ
+    seconds = [json.loads((LM_FOLDER / f"{name}.json").read_text())["cpu_seconds"]
+               for name in LM_COMPARED]
+    assert sum(seconds) < 300
+
+
+@pytest.mark.parametrize("name", LM_COMPARED)
+def test_retraining_a_compared_runs_first_steps_reproduces_its_log(name):
+    run = lm.load_run(name, LM_FOLDER)
+    tokenizer = run.vocab if isinstance(run.vocab, lm.Tokenizer) else None
+    _, log = lm.train(run.config, run.seed, until=LM_RETRAINED_STEPS, tokenizer=tokenizer)
+    for key in ("lr", "loss", "grad_norm"):
+        worst = max(abs(a - b) for a, b in zip(log[key], run.log[key][:LM_RETRAINED_STEPS]))
+        assert len(log[key]) == LM_RETRAINED_STEPS and worst <= TOLERANCE, (key, worst)
+    assert abs(log["eval"][0]["held_out"] - run.log["eval"][0]["held_out"]) <= TOLERANCE
+
+
+@pytest.mark.parametrize("name", LM_COMPARED)
+def test_a_compared_runs_weights_give_its_final_held_out_loss(name):
+    run = lm.load_run(name, LM_FOLDER)
+    _, held_text = lm.split_text(lm.load_text(), run.config.fraction)
+    held_out = run.vocab.encode(held_text)  # characters, or tokens
+    assert abs(lm.evaluate(run.model, held_out) - run.log["eval"][-1]["held_out"]) <= TOLERANCE
+
+
 # --- the experiments of chapter 11 (models/block/) ---------------------------------------------
 
 import transformer  # noqa: E402
@@ -186,6 +317,8 @@ BLOCK_FOLDER = models.BLOCK_FOLDER
 BLOCK_COMMITTED = sorted(path.stem for path in BLOCK_FOLDER.glob("*.json"))
 REVERSAL_RUNS = sorted(name for name, (config, _) in models.BLOCK_RUNS.items()
                        if isinstance(config, transformer.ReversalConfig))
+GRADIENT_RUNS = sorted(name for name, (config, _) in models.BLOCK_RUNS.items()
+                       if isinstance(config, transformer.GradientConfig))
 BLOCK_RETRAINED_STEPS = 10
 
 
@@ -193,7 +326,10 @@ def test_the_committed_block_runs_are_the_runs_make_models_makes():
     assert BLOCK_COMMITTED == sorted(models.BLOCK_RUNS), "run `make models` and commit models/block/"
     assert sorted(p.name for p in BLOCK_FOLDER.iterdir()) == sorted(
         f"{name}{suffix}" for name in BLOCK_COMMITTED for suffix in (".json", ".pt"))
-    assert len(REVERSAL_RUNS) == 9 and "gradients-at-init" in BLOCK_COMMITTED
+    assert len(REVERSAL_RUNS) == 9
+    assert GRADIENT_RUNS == ["gradients-at-init", "gradients-at-init-scaled"]
+    assert models.BLOCK_RUNS["gradients-at-init-scaled"][0] == dataclasses.replace(
+        models.BLOCK_RUNS["gradients-at-init"][0], scaled=True)  # only the initialisation
 
 
 @pytest.mark.parametrize("name", BLOCK_COMMITTED)
@@ -242,8 +378,9 @@ def test_a_reversal_runs_weights_give_its_final_evaluation(name):
     assert abs(got["accuracy"] - want["accuracy"]) <= TOLERANCE
 
 
-def test_the_gradient_measurement_is_what_the_book_code_measures():
-    run = transformer.load_run("gradients-at-init", BLOCK_FOLDER)
+@pytest.mark.parametrize("name", GRADIENT_RUNS)
+def test_the_gradient_measurement_is_what_the_book_code_measures(name):
+    run = transformer.load_run(name, BLOCK_FOLDER)
     config, log = run.config, run.log
     shallow = tuple(depth for depth in config.depths if depth <= 8)
     again = transformer.measure_gradients(config, depths=shallow)
@@ -301,3 +438,71 @@ def test_retraining_a_lookup_runs_first_steps_reproduces_its_log(name):
 def test_a_lookup_runs_weights_give_its_evaluation_loss(name):
     run = lookups.load_run(name, LOOKUP_FOLDER)
     assert abs(lookups.evaluation_loss(run.model) - run.log["eval_loss"]) <= TOLERANCE
+
+
+# --- chapter 9's model with an attention sink (models/sinks/) ------------------------------------
+
+SINK_FOLDER = models.SINK_FOLDER
+SINK_COMMITTED = sorted(path.stem for path in SINK_FOLDER.glob("*.json"))
+
+
+def sink_text(name: str) -> str:
+    return models.recent_copies_text(**models.SINK_RUNS[name][2])
+
+
+def test_the_committed_sink_models_are_the_runs_make_models_trains():
+    assert SINK_COMMITTED == sorted(models.SINK_RUNS), "run `make models` and commit models/sinks/"
+    assert sorted(p.name for p in SINK_FOLDER.iterdir()) == sorted(
+        f"{name}{suffix}" for name in SINK_COMMITTED
+        for suffix in (".json", ".pt", "-held-out.txt"))
+
+
+@pytest.mark.parametrize("name", SINK_COMMITTED)
+def test_a_sink_models_json_names_its_weights_its_text_and_its_run(name):
+    record = json.loads((SINK_FOLDER / f"{name}.json").read_text())
+    assert record["sha256"] == hashlib.sha256((SINK_FOLDER / f"{name}.pt").read_bytes()).hexdigest()
+    config, seed, recipe = models.SINK_RUNS[name]
+    assert record["name"] == name and record["seed"] == seed
+    assert lm.Config.from_dict(record["config"]) == config
+    assert record["text"] == {"recipe": "recent_copies_text", **recipe}
+    text = sink_text(name)
+    assert record["chars"] == "".join(lm.Vocabulary(text).chars)
+    held_out = (SINK_FOLDER / f"{name}-held-out.txt").read_text(encoding="utf-8")
+    assert held_out == text[int(config.fraction * len(text)):]  # lm.split's held-out part
+    assert len(record["log"]["loss"]) == config.steps
+    assert 0 < record["cpu_seconds"] < 180  # "under three minutes of CPU"
+    assert (SINK_FOLDER / f"{name}.pt").stat().st_size < 500_000
+
+
+def test_the_made_up_text_copies_after_a_recent_match_and_draws_otherwise():
+    recipe = dict(length=20_000, letters=16, reach=8, p_copy=0.8, seed=1)
+    text = models.recent_copies_text(**recipe)
+    assert len(text) == 20_000 and set(text) == set("abcdefghijklmnop")
+    copied = drawn = matched = 0
+    for t in range(len(text) - 1):
+        j = text.rfind(text[t], max(0, t - 8), t)  # the latest match at most 8 places back
+        if j < 0:
+            drawn += text[t + 1] == text[t]  # a draw: the same letter 1 time in 16
+            continue
+        matched += 1
+        copied += text[t + 1] == text[j + 1]
+    share = copied / matched  # p_copy + (1 - p_copy) / 16 = 0.8125
+    assert abs(share - 0.8125) < 0.02, share
+    assert abs(drawn / (len(text) - 1 - matched) - 1 / 16) < 0.02
+
+
+@pytest.mark.parametrize("name", SINK_COMMITTED)
+def test_retraining_a_sink_models_first_steps_reproduces_its_log(name):
+    run = lm.load_run(name, SINK_FOLDER)
+    _, log = lm.train(run.config, run.seed, sink_text(name), until=LM_RETRAINED_STEPS)
+    for key in ("lr", "loss"):
+        worst = max(abs(a - b) for a, b in zip(log[key], run.log[key][:LM_RETRAINED_STEPS]))
+        assert len(log[key]) == LM_RETRAINED_STEPS and worst <= TOLERANCE, (key, worst)
+    assert abs(log["eval"][0]["held_out"] - run.log["eval"][0]["held_out"]) <= TOLERANCE
+
+
+@pytest.mark.parametrize("name", SINK_COMMITTED)
+def test_a_sink_models_weights_give_its_final_held_out_loss(name):
+    run = lm.load_run(name, SINK_FOLDER)
+    held_out = run.vocab.encode((SINK_FOLDER / f"{name}-held-out.txt").read_text(encoding="utf-8"))
+    assert abs(lm.evaluate(run.model, held_out) - run.log["eval"][-1]["held_out"]) <= TOLERANCE

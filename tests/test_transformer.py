@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 
 import pytest
 import torch
@@ -395,6 +397,45 @@ def test_the_gradients_at_initialisation_are_one_per_block_and_deterministic():
     assert list(measured) == ["post-LN", "pre-LN"] and list(measured["pre-LN"]) == ["1", "3"]
     assert measured["pre-LN"]["3"]["grads"][0] == grads and measured["pre-LN"]["3"]["rms"][0] == rms
     assert len(measured["post-LN"]["1"]["grads"]) == 2  # seeds
+
+
+def test_scaled_initialisation_divides_the_residual_projections_by_sqrt_of_twice_the_depth():
+    assert transformer.residual_scale(8) == 0.25 and transformer.residual_scale(2) == 0.5
+    for bad in (0, True, 2.0):
+        with pytest.raises(ValueError, match="depth must be a positive integer"):
+            transformer.residual_scale(bad)
+    scaled = dataclasses.replace(TINY_GRADIENTS, scaled=True)
+    plain, rms = transformer.gradients_at_init(TINY_GRADIENTS, 3, True, 0)
+    grads, scaled_rms = transformer.gradients_at_init(scaled, 3, True, 0)
+    assert grads != plain and rms != scaled_rms  # another initialisation
+    with pytest.raises(ValueError, match="GradientConfig.scaled must be True or False"):
+        transformer.GradientConfig(scaled=1)
+    # the blocks it measures: Glorot's matrices, W_O and W_down of each divided by sqrt(6)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        blocks = nn.ModuleList(transformer.TransformerBlock(8, 2, 32, activation="relu",
+                                                            dtype=torch.float64)
+                               for _ in range(3))
+        for p in blocks.parameters():
+            if p.dim() > 1:
+                torch.nn.init.xavier_uniform_(p)
+    seen = []
+    original = transformer.TransformerBlock.forward
+
+    def spy(self, x, **kwargs):
+        seen.append(self)
+        return original(self, x, **kwargs)
+
+    transformer.TransformerBlock.forward = spy
+    try:
+        transformer.gradients_at_init(scaled, 3, True, 0)
+    finally:
+        transformer.TransformerBlock.forward = original
+    for ours, theirs in zip(seen, blocks):
+        for name in ("self_attn.out_proj.weight", "linear2.weight"):
+            numerics.assert_close(ours.get_parameter(name).detach(),
+                                  theirs.get_parameter(name).detach() / math.sqrt(6))
+        numerics.assert_close(ours.linear1.weight.detach(), theirs.linear1.weight.detach())
 
 
 def test_the_configs_are_checked():
