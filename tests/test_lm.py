@@ -691,3 +691,21 @@ def test_a_run_on_tokens_trains_saves_and_loads_with_its_tokenizer(tmp_path):
     (tmp_path / "small.model").write_bytes(lm.train_tokenizer(train_text, 81))
     with pytest.raises(ValueError, match="SHA-256 .* but small.json records"):
         lm.load_tokenizer("small", tmp_path)
+
+
+@pytest.mark.parametrize("seed, prompt, n", [(13, [1, 2], 9), (14, [4, 0, 5], 8)])
+def test_the_sampling_checks_greedy_tokens_are_clear_of_ties(seed, prompt, n):
+    """check_sampling compares an answer's greedy tokens with lm.generate's exactly, though the
+    two compute the logits differently (with or without the cache, in other shapes). That is
+    safe on every CPU only if no step's best logit is within rounding of the next: each step's
+    margin must be far above float64's rounding."""
+    import checks_language_model as checks
+
+    model = checks._tiny_lm(seed)
+    margins = []
+    hook = model.register_forward_hook(
+        lambda module, args, out: margins.append(float(torch.topk(out[0, -1], 2).values.diff().abs())))
+    with torch.no_grad():
+        lm.generate(model, torch.tensor(prompt), n, temperature=0.0, cache=False)
+    hook.remove()
+    assert len(margins) == n and min(margins) > 1e-6, margins

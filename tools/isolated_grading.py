@@ -43,6 +43,7 @@ is caught only if the record shows it.
 from __future__ import annotations
 
 import ast
+import atexit
 import builtins
 import contextlib
 import functools
@@ -976,8 +977,6 @@ def _stop_running() -> None:
     for started in list(_RUNNING):
         started.stop()
 
-
-import atexit  # noqa: E402
 
 atexit.register(_stop_running)
 
