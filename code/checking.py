@@ -26,8 +26,9 @@ closure, an object holding it, TorchScript), the operators that run are the same
 gives such an answer no points. An operator run by another thread while the answer runs, a
 call of the modules that hand work to another thread or process (threading, a queue, a thread
 pool, subprocess, os.system) and an answer that switches the recording off are refused as well.
-The check first runs all its cases once to look for forbidden work (`Check.forbidden_work`), so
-an answer that takes a shortcut on some inputs only earns nothing either. A dispatch mode
+The check looks for forbidden work in every case before it gives any case a point
+(`Check.forbidden_work`; a run of the whole check judges each case by the same runs), so an
+answer that takes a shortcut on some inputs only earns nothing either. A dispatch mode
 (`TorchDispatchMode`) would not do: it sits below the composite operators, so PyTorch's
 attention on its math path (3-D inputs, or `sdpa_kernel(MATH)`) reaches it as the `bmm`, `mul`
 and softmax that an attention exercise allows (tests/test_checking.py shows it); the profiler
@@ -916,6 +917,12 @@ class Check:
             found = next((fn.forbidden for fn in answers if fn.forbidden), None)
             if found:
                 break
+        return self._remember(answer, found)
+
+    def _remember(self, answer: tuple[Callable, ...], found: str | None) -> str | None:
+        """`found` (the forbidden work the cases saw, or None), completed by `inspect` when no
+        case saw any, and remembered for these functions."""
+        key = tuple(answer)
         if found is None and self._inspect is not None:
             answers = self._answers(answer)
             with contextlib.redirect_stdout(None):
@@ -939,10 +946,27 @@ class Check:
         forbidden = next((fn.forbidden for fn in answers if fn.forbidden), None)
         return forbidden or self.forbidden_work(answer) or message
 
+    def _run_all(self, answer: tuple[Callable, ...]) -> dict[str, str | None]:
+        """{case: None or the message} for every case, what `_run` gives each, with every case
+        run once: the runs that judge the cases are the ones that look for forbidden work."""
+        runs, found = {}, None
+        for title, (_, _, keeps) in self.cases.items():
+            answers = self._answers(answer, keeps)
+            message = self._attempt(title, answers)
+            own = next((fn.forbidden for fn in answers if fn.forbidden), None)
+            runs[title] = (message, own)
+            found = found or own
+        try:
+            looked = self._looked[tuple(answer)]
+        except Exception:  # noqa: BLE001 (not seen yet, or an answer that cannot be hashed)
+            looked = self._remember(answer, found)
+        return {title: message if message is not None and NOT_WRITTEN in message
+                else own or looked or message for title, (message, own) in runs.items()}
+
     def __call__(self, *answer: Callable) -> None:
         """Run every case on the answer and print each result; AssertionError listing the
         failed cases if any fails (or just saying so if the answer is not written yet)."""
-        results = {title: self._run(title, answer) for title in self.cases}
+        results = self._run_all(answer)
         failed = {title: message for title, message in results.items() if message is not None}
         if failed and all(NOT_WRITTEN in message for message in failed.values()):
             raise AssertionError(next(iter(failed.values())))

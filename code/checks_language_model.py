@@ -874,3 +874,187 @@ def _(sample, generate):
         _compare_sample(sample, f"sample, {V} logits, temperature {tau:.3f}, top_k {k}, "
                         f"top_p {p:.3f}", _rows(int(torch.randint(100, (), generator=g)), 2, V),
                         tau, top_k=k, top_p=p, seed=int(torch.randint(100, (), generator=g)))
+
+
+# train_lm(train_tokens, n_vocab, seconds) -> (weights, num_heads): a model of the chapter's
+# kind, trained by the answer on the training text within `seconds`, its weights under
+# DecoderLM's names; judged by its loss on the held-out text, which the answer never sees
+
+CAPSTONE_SECONDS = 60  # what the exercise gives train_lm: on Colab's CPU, enough to pass
+CAPSTONE_ALLOWED = 1.1 * CAPSTONE_SECONDS  # the longest a call may take
+_CAPSTONE: dict = {}  # the last answer trained: its function, its outcome, its loss
+_CAPSTONE_DATA: dict = {}
+
+
+def _capstone_rules() -> list[Rule]:
+    """The whole model (as in check_lm_logits), lm.train, and every way to the chapter's
+    trained weights or to the held-out text: lm.load_text, lm.load_run, the stored runs."""
+    import importlib
+    return [*_model_rules(), *module_rules("train", "load_text", "load_run", module="lm"),
+            Rule("the book's stored runs and files (stored.py)",
+                 python=lambda: [importlib.import_module("stored")])]
+
+
+def _capstone_data() -> dict:
+    """The chapter's text split as the chapter splits it, and the counts' held-out losses."""
+    if not _CAPSTONE_DATA:
+        import lm
+        text = lm.load_text()
+        vocab = lm.Vocabulary(text)
+        train, held_out = lm.split(vocab.encode(text))
+        V = len(vocab)
+        _CAPSTONE_DATA.update(train=train, held_out=held_out, V=V,
+                              unigram=lm.unigram_loss(train, held_out, V),
+                              bigram=lm.bigram_loss(train, held_out, V))
+    return _CAPSTONE_DATA
+
+
+def _warm_capstone() -> None:
+    _capstone_data()
+    _warm_model()
+    _warm_training()
+
+
+def _trained(fn) -> tuple:
+    """(what the answer returned, the seconds its call took), from one call for each function
+    (every case reads the same run), or the error that every case then reports."""
+    import time
+    if _CAPSTONE.get("fn") is not fn.fn:
+        from checking import ForbiddenWork, NotWritten
+        data = _capstone_data()
+        start = time.perf_counter()
+        try:
+            out = fn(data["train"], data["V"], CAPSTONE_SECONDS)
+            outcome = (out, time.perf_counter() - start)
+        except (NotWritten, ForbiddenWork) as err:
+            outcome = err
+        except KeyboardInterrupt:
+            raise
+        except BaseException as err:  # noqa: BLE001 (every case reports it)
+            outcome = AssertionError(f"{fn.__name__} raised {type(err).__name__}: {err}")
+        _CAPSTONE.clear()
+        _CAPSTONE.update(fn=fn.fn, outcome=outcome, mutated=list(fn.mutated),
+                         trivial=list(fn.trivial))
+    else:  # what the call showed, for this case's judgement too (arguments left unchanged)
+        fn.mutated += _CAPSTONE["mutated"]
+        fn.trivial += _CAPSTONE["trivial"]
+    if isinstance(_CAPSTONE["outcome"], BaseException):
+        raise _CAPSTONE["outcome"]
+    return _CAPSTONE["outcome"]
+
+
+def _returned(fn) -> tuple:
+    """(weights, num_heads) as the answer returned them."""
+    out, _ = _trained(fn)
+    if not (isinstance(out, tuple) and len(out) == 2):
+        raise AssertionError(f"{fn.__name__} should return (weights, num_heads), got "
+                             f"{type(out).__name__}")
+    return out
+
+
+def _capstone_model(weights, num_heads, V):
+    """The book's DecoderLM holding the answer's weights (tied unless they hold
+    unembed.weight), in eval mode; AssertionError naming what does not fit."""
+    from transformer import DecoderLM
+    if not isinstance(weights, dict) or not all(
+            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in weights.items()):
+        raise AssertionError("weights should be a dict {name: tensor}, as model.state_dict() "
+                             f"gives, got {type(weights).__name__}")
+    if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
+        raise AssertionError(f"num_heads should be a positive int, got {num_heads!r}")
+    for name in ("embed.weight", "position.weight", "blocks.0.linear1.weight"):
+        if name not in weights or weights[name].dim() != 2:
+            raise AssertionError(
+                f"no 2-D {name} among the weights' names ({', '.join(sorted(weights)[:4])}, "
+                "...): name them as DecoderLM's state_dict does (see the exercise)")
+    E, P = weights["embed.weight"], weights["position.weight"]
+    if E.shape[0] != V or P.shape[1] != E.shape[1] or not E.is_floating_point():
+        raise AssertionError(f"embed.weight {tuple(E.shape)} {E.dtype} and position.weight "
+                             f"{tuple(P.shape)} should be floating, (n_vocab = {V}, d_model) "
+                             "and (context, d_model)")
+    D = E.shape[1]
+    if D % num_heads:
+        raise AssertionError(f"d_model = {D} is not a multiple of num_heads = {num_heads}")
+    L = 0
+    while f"blocks.{L}.linear1.weight" in weights:
+        L += 1
+    tied = "unembed.weight" not in weights
+    model = DecoderLM(V, P.shape[0], D, num_heads, weights["blocks.0.linear1.weight"].shape[0],
+                      L, tie_weights=tied, dtype=E.dtype)
+    state = dict(weights, **({"unembed.weight": E} if tied else {}))
+    want = model.state_dict()
+    missing, extra = sorted(set(want) - set(state)), sorted(set(state) - set(want))
+    if missing or extra:
+        raise AssertionError(
+            f"{L} block(s) of DecoderLM's names: "
+            + (f"missing {', '.join(missing[:3])}" if missing else "")
+            + ("; " if missing and extra else "")
+            + (f"not DecoderLM's: {', '.join(extra[:3])}" if extra else ""))
+    for name, tensor in want.items():
+        if tuple(state[name].shape) != tuple(tensor.shape):
+            raise AssertionError(f"{name} has shape {tuple(state[name].shape)}; DecoderLM of "
+                                 f"these sizes needs {tuple(tensor.shape)}")
+    model.load_state_dict({k: v.detach().to(E.dtype) for k, v in state.items()})
+    return model.eval()
+
+
+def _held_out_loss(fn) -> float:
+    """The answer's model's loss on the held-out text, as lm.evaluate measures it (windows of
+    the model's context, each from its start)."""
+    import lm
+    weights, num_heads = _returned(fn)
+    if "loss" not in _CAPSTONE:
+        data = _capstone_data()
+        loss = lm.evaluate(_capstone_model(weights, num_heads, data["V"]), data["held_out"])
+        if not math.isfinite(loss):
+            raise AssertionError(f"the held-out loss is {loss}: NaN or inf in the weights or "
+                                 "the logits")
+        _CAPSTONE["loss"] = loss
+    return _CAPSTONE["loss"]
+
+
+def capstone_measurement() -> dict | None:
+    """What check_lm_capstone measured of the last answer it trained: the held-out loss, the
+    counts' losses and the seconds the training took (None before a model was measured)."""
+    if "loss" not in _CAPSTONE:
+        return None
+    data = _capstone_data()
+    return {"held_out": _CAPSTONE["loss"], "unigram": data["unigram"],
+            "bigram": data["bigram"], "seconds": _CAPSTONE["outcome"][1]}
+
+
+check_lm_capstone = Check("check_lm_capstone", rules=_capstone_rules(),
+                          unchanged="weights under DecoderLM's names",
+                          prepare=lambda: _warm_capstone())
+
+
+@check_lm_capstone.case("weights under DecoderLM's names")
+def _(fn):
+    weights, num_heads = _returned(fn)
+    _capstone_model(weights, num_heads, _capstone_data()["V"])
+
+
+@check_lm_capstone.case("within the time it is given")
+def _(fn):
+    _returned(fn)  # (weights, num_heads), in whatever state
+    _, seconds = _trained(fn)
+    assert seconds <= CAPSTONE_ALLOWED, (
+        f"training took {seconds:.0f} s of the {CAPSTONE_SECONDS} s given (allowed: "
+        f"{CAPSTONE_ALLOWED:.0f} s): read the clock in your loop (time.perf_counter()) and "
+        "stop in time")
+
+
+@check_lm_capstone.case("below the unigram counts on the held-out text")
+def _(fn):
+    loss, data = _held_out_loss(fn), _capstone_data()
+    assert loss < data["unigram"], (
+        f"held-out loss {loss:.3f} nats, not below the unigram counts' {data['unigram']:.3f}: "
+        "the model has not learned even which characters are common")
+
+
+@check_lm_capstone.case("below the bigram counts on the held-out text", points=2)
+def _(fn):
+    loss, data = _held_out_loss(fn), _capstone_data()
+    assert loss < data["bigram"], (
+        f"held-out loss {loss:.3f} nats, not below the bigram counts' {data['bigram']:.3f}: "
+        "train longer (more steps in the time), or with a larger learning rate")

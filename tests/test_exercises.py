@@ -2807,6 +2807,164 @@ def generate_the_window_by_slicing(model, prompt, n, temperature, generator, cac
     return _generate_with(lm_sample_ref, model, prompt, n, temperature, generator, cache)
 
 
+
+# --- chapter 13: check_lm_capstone(train_lm), train_lm(train_tokens, n_vocab, seconds) ->
+# (weights, num_heads): a model of the answer's own, trained on the chapter's text -------------
+
+C13c = "check_lm_capstone"
+RULE_OF_CALL.update({"lm.load_text": "the module's load_text",
+                     "lm.load_run": "the module's load_run"})
+
+
+def _capstone_model(n_vocab, T=16, D=32, H=2, dtype=torch.float64):
+    """A fresh model as a ModuleDict under DecoderLM's names, and its logits."""
+    from torch import nn
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        model = nn.ModuleDict({
+            "embed": nn.Embedding(n_vocab, D, dtype=dtype),
+            "position": nn.Embedding(T, D, dtype=dtype),
+            "blocks": nn.ModuleList([transformer.TransformerBlock(D, H, 4 * D, dtype=dtype)]),
+            "final_norm": nn.LayerNorm(D, dtype=dtype),
+            "unembed": nn.Linear(D, n_vocab, bias=False, dtype=dtype)})
+
+    def logits_of(tokens):
+        x = model["embed"](tokens) + model["position"].weight[:tokens.shape[1]]
+        for block in model["blocks"]:
+            x = block(x, is_causal=True)
+        return model["unembed"](model["final_norm"](x))
+    return model, logits_of
+
+
+def _capstone_train(train_tokens, n_vocab, steps, T=16, B=96, dtype=torch.float64):
+    """The weights after `steps` steps of AdamW (a constant rate of 0.03)."""
+    model, logits_of = _capstone_model(n_vocab, T, dtype=dtype)
+    batches = torch.Generator().manual_seed(1)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-2)
+    for _ in range(steps):
+        starts = torch.randint(len(train_tokens) - T, (B,), generator=batches)
+        rows = train_tokens[starts[:, None] + torch.arange(T + 1)]
+        loss = F.cross_entropy(logits_of(rows[:, :-1]).flatten(0, 1), rows[:, 1:].flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model.state_dict()
+
+
+@wrong(C13c, "not below the unigram counts")
+def capstone_untrained(train_tokens, n_vocab, seconds):
+    return _capstone_train(train_tokens, n_vocab, 0), 2
+
+
+@wrong(C13c, "not below the bigram counts")
+def capstone_too_few_steps(train_tokens, n_vocab, seconds):
+    return _capstone_train(train_tokens, n_vocab, 10), 2
+
+
+@wrong(C13c, "name them as DecoderLM's state_dict does")
+def capstone_names_of_its_own(train_tokens, n_vocab, seconds):
+    weights = _capstone_train(train_tokens, n_vocab, 0)
+    return {name.replace("embed.", "tokens."): w for name, w in weights.items()}, 2
+
+
+@wrong(C13c, "not a multiple of num_heads")
+def capstone_wrong_number_of_heads(train_tokens, n_vocab, seconds):
+    return _capstone_train(train_tokens, n_vocab, 0), 3
+
+
+@wrong(C13c, "NaN or inf")
+def capstone_nan_in_a_norm(train_tokens, n_vocab, seconds):
+    weights = _capstone_train(train_tokens, n_vocab, 0)
+    weights["final_norm.weight"] = torch.full_like(weights["final_norm.weight"], math.nan)
+    return weights, 2
+
+
+@wrong(C13c, "should return (weights, num_heads)", earns="nothing")
+def capstone_returns_the_weights_alone(train_tokens, n_vocab, seconds):
+    return _capstone_train(train_tokens, n_vocab, 0)
+
+
+@shortcut(C13c, "transformer.DecoderLM")
+def capstone_the_books_model(train_tokens, n_vocab, seconds):
+    return transformer.DecoderLM(n_vocab, 16, 32, 2, 128, 1).state_dict(), 2
+
+
+@shortcut(C13c, "lm.build")
+def capstone_through_lm_build(train_tokens, n_vocab, seconds):
+    config = lm.Config(context=16, d_model=32, num_heads=2, d_ff=128, num_layers=1)
+    return lm.build(config, n_vocab).state_dict(), 2
+
+
+@shortcut(C13c, "torch.nn.TransformerEncoderLayer")
+def capstone_with_pytorchs_layer(train_tokens, n_vocab, seconds):
+    """PyTorch's layer as the block, its weights renamed to the block's (not trained here)."""
+    layer = torch.nn.TransformerEncoderLayer(32, 2, 128, dropout=0.0, batch_first=True,
+                                             norm_first=True, dtype=torch.float64)
+    weights = _capstone_train(train_tokens, n_vocab, 0)
+    inner = layer.state_dict()
+    q, k, v = inner["self_attn.in_proj_weight"].chunk(3)
+    weights.update({"blocks.0.self_attn.q_proj.weight": q, "blocks.0.self_attn.k_proj.weight": k,
+                    "blocks.0.self_attn.v_proj.weight": v})
+    return weights, 2
+
+
+@shortcut(C13c, "lm.train")
+def capstone_through_lm_train(train_tokens, n_vocab, seconds):
+    config = lm.Config(context=16, d_model=16, num_heads=2, d_ff=32, num_layers=1, steps=10,
+                       eval_every=10)
+    model, _ = lm.train(config, 0, until=0)
+    return model.state_dict(), 2
+
+
+@shortcut(C13c, "lm.load_text")
+def capstone_trained_on_the_held_out_text_too(train_tokens, n_vocab, seconds):
+    text = lm.load_text()
+    return _capstone_train(lm.Vocabulary(text).encode(text), n_vocab, 0), 2
+
+
+@shortcut(C13c, "lm.load_run")
+def capstone_the_chapters_weights(train_tokens, n_vocab, seconds):
+    run = lm.load_run("shakespeare")
+    return run.model.state_dict(), run.config.num_heads
+
+
+@right(C13c)
+def capstone_a_class_in_float32(train_tokens, n_vocab, seconds):
+    """A class of its own whose attributes carry DecoderLM's names, float32, a context of 32,
+    the weights from named_parameters (tensors that require a gradient)."""
+    from torch import nn
+
+    class Small(nn.Module):
+        def __init__(self, T, D, H):
+            super().__init__()
+            self.embed = nn.Embedding(n_vocab, D)
+            self.position = nn.Embedding(T, D)
+            self.blocks = nn.ModuleList([transformer.TransformerBlock(D, H, 4 * D)])
+            self.final_norm = nn.LayerNorm(D)
+            self.unembed = nn.Linear(D, n_vocab, bias=False)
+
+        def forward(self, tokens):
+            x = self.embed(tokens) + self.position.weight[:tokens.shape[1]]
+            for block in self.blocks:
+                x = block(x, is_causal=True)
+            return self.unembed(self.final_norm(x))
+
+    T = 32
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        model = Small(T, 32, 2)
+    batches = torch.Generator().manual_seed(1)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-2)
+    for _ in range(100):
+        starts = torch.randint(len(train_tokens) - T, (64,), generator=batches)
+        rows = train_tokens[starts[:, None] + torch.arange(T + 1)]
+        loss = F.cross_entropy(model(rows[:, :-1]).flatten(0, 1), rows[:, 1:].flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return dict(model.named_parameters()), 2
+
+
 def _run(check, fn):
     """{case title: message or None}."""
     return {title: check._run(title, (fn,)) for title in check.cases}
@@ -2878,7 +3036,8 @@ def graded_points(check: str, replace: dict) -> tuple[int, dict[str, str | None]
 def printed_verdicts(check: str, out: str) -> tuple[int, dict[str, str | None]]:
     """(points, {case: None or the message}) from the lines a check's run printed, one per case
     ("pass  <case> (n points)" or "FAIL  <case> (n points): <message>"): what grading each case
-    alone gives, since `Check.grade` and `Check.__call__` judge a case by the same `_run`."""
+    alone gives (`Check.__call__` runs each case once and judges it as `Check.grade` does:
+    test_a_whole_run_judges_each_case_as_grading_it_alone_does)."""
     graded = load_check(check)
     starts = sorted((out.index(mark), title, mark.startswith("pass"))
                     for title in graded.cases
@@ -2892,6 +3051,26 @@ def printed_verdicts(check: str, out: str) -> tuple[int, dict[str, str | None]]:
         else:
             messages[title] = out[at:following].split("): ", 1)[1].strip()
     return earned, messages
+
+
+SAME_VERDICT_CASES = [case for case in WRONG_CASES
+                      if case.values[0] in (C5, C13m)]  # each with partial and forbidden answers
+
+
+@pytest.mark.parametrize("check, fragment, replaces, fn", SAME_VERDICT_CASES)
+def test_a_whole_run_judges_each_case_as_grading_it_alone_does(check, fragment, replaces, fn,
+                                                                capsys):
+    """A run of the whole check runs each case once, its runs also the look for forbidden
+    work; grading a case alone (nbgrader's test cells) runs every case once to look for it,
+    then the case. Both give every case the same verdict."""
+    replace = _replacements(check, replaces, fn)
+    with pytest.raises(AssertionError):
+        call_check(check, replace)
+    earned, printed = printed_verdicts(check, capsys.readouterr().out)
+    alone, graded = graded_points(check, replace)  # messages "<case>: <message>"
+    assert earned == alone and printed.keys() == graded.keys()
+    assert all(graded[title] == (None if message is None else f"{title}: {message}")
+               for title, message in printed.items()), (printed, graded)
 
 
 @pytest.mark.parametrize("check, fragment, replaces, fn", WRONG_CASES)

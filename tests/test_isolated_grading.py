@@ -487,3 +487,45 @@ def test_grading_started_beside_the_kernel_keeps_its_time_limit():
     forgotten.thread.join(30)
     assert not forgotten.thread.is_alive() and _gone(forgotten.process.pid)
     assert forgotten.verdict()["results"] != dict.fromkeys(found.cases)  # stopped, not graded
+
+
+def test_the_capstone_is_graded_on_the_chapters_text_shipped_with_the_course():
+    """check_lm_capstone measures the answer's trained model on the held-out text: in the
+    check's process the text comes with the course's files (data/, which `make assignments`
+    copies), the training text goes to the answer's process and the weights come back."""
+    source = _d("""
+        from torch import nn
+        from transformer import TransformerBlock
+
+        def train_lm(train_tokens, n_vocab, seconds):
+            T, D = 16, 32
+            model = nn.ModuleDict({
+                "embed": nn.Embedding(n_vocab, D), "position": nn.Embedding(T, D),
+                "blocks": nn.ModuleList([TransformerBlock(D, 2, 4 * D)]),
+                "final_norm": nn.LayerNorm(D), "unembed": nn.Linear(D, n_vocab, bias=False)})
+            opt = torch.optim.AdamW(model.parameters(), lr=3e-2)
+            for step in range(10):  # below the unigram counts, not yet the bigram counts
+                rows = train_tokens[torch.arange(64)[:, None] * 997 + step + torch.arange(T + 1)]
+                x = model["embed"](rows[:, :-1]) + model["position"].weight
+                x = model["blocks"][0](x, is_causal=True)
+                logits = model["unembed"](model["final_norm"](x))
+                loss = F.cross_entropy(logits.flatten(0, 1), rows[:, 1:].flatten())
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+            return model.state_dict(), 2
+        """)
+    found = checking.find_check("check_lm_capstone")
+    tests = [{"grade_id": title, "module": found.module, "check": found.__name__,
+              "title": title, "names": ["train_lm"]} for title in found.cases]
+    text = (ROOT / "data" / "shakespeare.txt").read_text(encoding="utf-8")
+    job = {"files": {**CODE, "data/shakespeare.txt": text},
+           "cells": [(0, PRELUDE, False, "imports-0"), (1, source, True, "answer cell train_lm")],
+           "tests": tests, "timeout": 60}
+    started = [grading.CheckProcess(job, 120),  # fresh processes, as nbgrader's grading
+               grading.CheckProcess(dict(job, files=CODE), 120)]  # the same, without data/
+    results, without = (process.verdict()["results"] for process in started)
+    assert [title for title, message in results.items() if message is not None] == [
+        "below the bigram counts on the held-out text"], results
+    assert "not below the bigram counts" in results["below the bigram counts on the held-out text"]
+    assert all("data/shakespeare.txt is not here" in message for message in without.values())

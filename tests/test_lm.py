@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import checking
 import lm
 import numerics
 import stored
@@ -618,6 +619,37 @@ def test_the_training_exercise_starts_where_train_starts_and_steps_as_it_steps()
     numerics.assert_close(torch.tensor(losses), torch.tensor(log["loss"]))
     for name, weight in trained.state_dict().items():
         numerics.assert_close(state[name], weight, msg=name)
+
+
+
+def test_the_capstone_check_trains_once_gives_the_time_and_holds_the_answer_to_it(monkeypatch):
+    """check_lm_capstone calls the answer once for all its cases, with the training text (not
+    the held-out text) and the time the exercise states; an answer that overruns the time
+    loses that case's point and keeps the others, whatever its loss."""
+    import time
+
+    import checks_language_model as checks
+    import transformer
+
+    calls = []
+
+    def slow_untrained(train_tokens, n_vocab, seconds):
+        calls.append((len(train_tokens), n_vocab, seconds))
+        time.sleep(0.3)
+        return transformer.DecoderLM(n_vocab, 8, 8, 2, 16, 1).state_dict(), 2
+
+    text = lm.load_text()
+    vocab = lm.Vocabulary(text)
+    train, _ = lm.split(vocab.encode(text))
+    check = checking.Check("capstone rules off", prepare=checks._warm_capstone)
+    check.cases = dict(checks.check_lm_capstone.cases)  # the cases, without the rules
+    monkeypatch.setattr(checks, "CAPSTONE_SECONDS", 0.1)
+    monkeypatch.setattr(checks, "CAPSTONE_ALLOWED", 0.11)
+    results = {title: check._run(title, (slow_untrained,)) for title in check.cases}
+    assert calls == [(len(train), len(vocab), 0.1)]  # once, the training text, the time
+    assert "read the clock" in results["within the time it is given"]
+    assert results["weights under DecoderLM's names"] is None
+    assert "not below the unigram" in results["below the unigram counts on the held-out text"]
 
 
 # --- tokens of several characters: the byte-pair tokenizer -------------------------------------

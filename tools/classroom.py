@@ -545,8 +545,12 @@ def write_assignments(out: pathlib.Path) -> list[pathlib.Path]:
         for old in folder.glob("*.py"):  # files of the book's code from an earlier plan
             if old.name in CODE_FILES or old.name == "checks.py":
                 old.unlink()
-        for code in structure.code_files(notebook_text(notebook)):
+        needed = structure.code_files(notebook_text(notebook))
+        for code in needed:
             shutil.copy(ROOT / "code" / code, folder / code)
+        if "lm.py" in needed:  # the chapter's text, read offline (and by check_lm_capstone)
+            (folder / "data").mkdir(exist_ok=True)
+            shutil.copy(ROOT / "data" / "shakespeare.txt", folder / "data" / "shakespeare.txt")
         written.append(folder / f"{name}.ipynb")
     return written
 

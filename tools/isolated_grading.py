@@ -733,9 +733,9 @@ def grade_notebook(job: dict) -> dict:
     for place in (checks, workdir):
         place.mkdir()
     for name, text in job["files"].items():
-        (checks / name).write_text(text)
-        if not name.startswith("checks_"):  # the answer's process holds no check
-            (workdir / name).write_text(text)
+        for place in (checks, workdir) if not name.startswith("checks_") else (checks,):
+            (place / name).parent.mkdir(exist_ok=True)  # data/ too
+            (place / name).write_text(text, encoding="utf-8")  # the answer's process: no check
     sys.path.insert(0, str(checks))
     import importlib
 
@@ -815,12 +815,17 @@ _SNAPSHOTS: dict[str, dict[str, str]] = {}
 
 
 def course_code(folder: pathlib.Path) -> dict[str, str]:
-    """{file name: text} of the Python files of an assignment's source folder, read once per
-    grading process, before the first student's notebook runs: a kernel that rewrites the
-    checks on disk changes nothing for the notebooks graded after it in this process."""
+    """{file name: text} of the Python files of an assignment's source folder and of the text
+    files in its data/ (as "data/<name>": the chapter's text, which a check measures a trained
+    model on), read once per grading process, before the first student's notebook runs: a
+    kernel that rewrites the checks on disk changes nothing for the notebooks graded after it
+    in this process."""
     key = str(folder.resolve())
     if key not in _SNAPSHOTS:
-        _SNAPSHOTS[key] = {path.name: path.read_text() for path in sorted(folder.glob("*.py"))}
+        files = {path.name: path.read_text() for path in sorted(folder.glob("*.py"))}
+        files.update({f"data/{path.name}": path.read_text(encoding="utf-8")
+                      for path in sorted(folder.glob("data/*.txt"))})
+        _SNAPSHOTS[key] = files
     return _SNAPSHOTS[key]
 
 
