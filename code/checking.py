@@ -790,11 +790,15 @@ class Check:
     the case "arguments left unchanged" reruns, requiring every tensor argument unchanged and a
     result computed (right, or at least more than constants and the arguments themselves). `inspect(*answers)`: forbidden work that no rule names (a loop, say),
     found by running the Answer objects; returns the message, or None. `prepare()`: run once
-    before the first answer."""
+    before the first answer. `begin()`: run at the start of every whole run of the check (a
+    check that keeps what one call of the answer returned, for all its cases, forgets it
+    there: a student's second run sees the answer as it is now)."""
 
     def __init__(self, name: str, rules: Iterable[Rule] = (), unchanged: str | tuple = (),
-                 inspect: Callable | None = None, prepare: Callable | None = None):
+                 inspect: Callable | None = None, prepare: Callable | None = None,
+                 begin: Callable | None = None):
         self.__name__ = name
+        self._begin = begin  # run at the start of every whole run (`__call__`)
         # run once, before the first answer: the first call of some PyTorch functions imports
         # modules, which under the recording (every Python call seen) takes three times as long
         self._prepare = prepare
@@ -966,6 +970,8 @@ class Check:
     def __call__(self, *answer: Callable) -> None:
         """Run every case on the answer and print each result; AssertionError listing the
         failed cases if any fails (or just saying so if the answer is not written yet)."""
+        if self._begin is not None:
+            self._begin()
         results = self._run_all(answer)
         failed = {title: message for title, message in results.items() if message is not None}
         if failed and all(NOT_WRITTEN in message for message in failed.values()):

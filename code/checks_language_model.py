@@ -917,7 +917,8 @@ def _warm_capstone() -> None:
 
 def _trained(fn) -> tuple:
     """(what the answer returned, the seconds its call took), from one call for each function
-    (every case reads the same run), or the error that every case then reports."""
+    (every case reads the same run; a new run of the whole check calls it afresh), or the
+    error that every case then reports."""
     import time
     if _CAPSTONE.get("fn") is not fn.fn:
         from checking import ForbiddenWork, NotWritten
@@ -1025,7 +1026,7 @@ def capstone_measurement() -> dict | None:
 
 check_lm_capstone = Check("check_lm_capstone", rules=_capstone_rules(),
                           unchanged="weights under DecoderLM's names",
-                          prepare=lambda: _warm_capstone())
+                          prepare=lambda: _warm_capstone(), begin=lambda: _CAPSTONE.clear())
 
 
 @check_lm_capstone.case("weights under DecoderLM's names")

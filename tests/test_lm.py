@@ -647,6 +647,9 @@ def test_the_capstone_check_trains_once_gives_the_time_and_holds_the_answer_to_i
     monkeypatch.setattr(checks, "CAPSTONE_ALLOWED", 0.11)
     results = {title: check._run(title, (slow_untrained,)) for title in check.cases}
     assert calls == [(len(train), len(vocab), 0.1)]  # once, the training text, the time
+    with pytest.raises(AssertionError):
+        checks.check_lm_capstone(slow_untrained)  # a whole run: the function called afresh
+    assert len(calls) == 2
     assert "read the clock" in results["within the time it is given"]
     assert results["weights under DecoderLM's names"] is None
     assert "not below the unigram" in results["below the unigram counts on the held-out text"]
