@@ -610,7 +610,7 @@ def test_a_saved_analysis_loads_with_its_run_and_tensors(tiny_model, tmp_path):
 def test_the_training_exercise_starts_where_train_starts_and_steps_as_it_steps():
     """check_train_steps (chapter 13's exercise) gives an answer lm.train's fresh model and
     first batches for a seed, and names mistakes by its own loop: both must be lm.train's."""
-    import checks_language_model as checks
+    import checks_build_it_yourself as checks
 
     text = SMALL_TEXT[:800]
     model, batches = checks._start(TINY, 5, text, 4)
@@ -628,7 +628,7 @@ def test_the_capstone_check_trains_once_gives_the_time_and_holds_the_answer_to_i
     loses that case's point and keeps the others, whatever its loss."""
     import time
 
-    import checks_language_model as checks
+    import checks_build_it_yourself as checks
     import transformer
 
     calls = []
@@ -734,7 +734,7 @@ def test_the_sampling_checks_greedy_tokens_are_clear_of_ties(seed, prompt, n):
     two compute the logits differently (with or without the cache, in other shapes). That is
     safe on every CPU only if no step's best logit is within rounding of the next: each step's
     margin must be far above float64's rounding."""
-    import checks_language_model as checks
+    import checks_build_it_yourself as checks
 
     model = checks._tiny_lm(seed)
     margins = []
