@@ -8,6 +8,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 
 import chromium
 
@@ -204,14 +205,59 @@ def test_the_build_hands_out_one_page_at_a_time_the_most_code_first(monkeypatch)
     assert order[:2] == ["chapters/08-position", "chapters/01-intuition"], order
 
 
+def _note_start(log: pathlib.Path, index: int) -> None:
+    with open(log, "a") as f:
+        f.write(f"{index}\n")
+    time.sleep(0.2)  # long enough for every task to be added before the first ends
+
+
+def _start_order(nproc: int, tasks: int, log: pathlib.Path) -> list[int]:
+    """The order in which a ParallelTasks of `nproc` processes starts `tasks` tasks added at
+    once, as Sphinx adds the pages to read."""
+    import functools
+
+    from sphinx.util.parallel import ParallelTasks
+
+    log.unlink(missing_ok=True)
+    pool = ParallelTasks(nproc)
+    for index in range(tasks):
+        pool.add_task(functools.partial(_note_start, log), index)
+    pool.join()
+    return [int(line) for line in log.read_text().split()]
+
+
+def test_sphinx_still_starts_waiting_tasks_last_in_first_out(tmp_path):
+    """build_book.start_waiting_pages_in_order: Sphinx's ParallelTasks still starts the task
+    added last among those waiting (dict.popitem), so its pages would start in reverse."""
+    assert _start_order(1, 4, tmp_path / "starts") == [0, 3, 2, 1], (
+        "Sphinx starts waiting tasks in order now: drop build_book.start_waiting_pages_in_order")
+
+
+def test_the_build_starts_waiting_pages_in_the_order_given(monkeypatch, tmp_path):
+    """build_book.start_waiting_pages_in_order: the pages start in the order of the chunks,
+    the slowest first, whatever the number of processes."""
+    from sphinx.util.parallel import ParallelTasks
+
+    import build_book
+
+    monkeypatch.setattr(ParallelTasks, "__init__", ParallelTasks.__init__)
+    build_book.start_waiting_pages_in_order()
+    assert _start_order(1, 4, tmp_path / "starts") == [0, 1, 2, 3]
+    started = _start_order(2, 5, tmp_path / "starts")
+    assert sorted(started[:2]) == [0, 1] and started[2:] == [2, 3, 4]  # two start at once
+
+
 def test_build_book_patches_only_when_run():
     """Importing tools/build_book.py changes nothing; its patches apply when it runs."""
     from sphinx.domains import Domain
     from sphinx_proof.domain import ProofDomain
 
+    from sphinx.util.parallel import ParallelTasks
+
     import build_book  # noqa: F401
 
     assert ProofDomain.merge_domaindata is Domain.merge_domaindata
+    assert type(ParallelTasks(1)._precvsWaiting) is dict
 
 
 def test_readme_shows_one_measurement_of_make_bench_for_the_book_as_it_is():
