@@ -247,6 +247,41 @@ def test_the_build_starts_waiting_pages_in_the_order_given(monkeypatch, tmp_path
     assert sorted(started[:2]) == [0, 1] and started[2:] == [2, 3, 4]  # two start at once
 
 
+def _counted_plugin_lookups(monkeypatch, patch=None) -> tuple[int, object, object]:
+    """(how many times pybtex read the installed entry points, and the two plugins found) for
+    two lookups of the same plugin, after `patch` if given."""
+    import pybtex.plugin
+
+    calls = []
+    lookup = pybtex.plugin.entry_points
+    monkeypatch.setattr(pybtex.plugin, "entry_points",
+                        lambda **selection: calls.append(selection) or lookup(**selection))
+    if patch:
+        patch()
+    found = [pybtex.plugin.find_plugin("pybtex.style.formatting", "plain") for _ in range(2)]
+    return len(calls), *found
+
+
+def test_pybtex_still_reads_the_entry_points_for_every_plugin_it_finds(monkeypatch):
+    """build_book.cache_bibtex_plugin_lookups: pybtex still reads the installed
+    distributions' entry points on every lookup of a plugin."""
+    calls, first, second = _counted_plugin_lookups(monkeypatch)
+    assert calls == 2, ("pybtex caches its plugin lookups now: drop "
+                        "build_book.cache_bibtex_plugin_lookups")
+    assert first is second
+
+
+def test_the_build_looks_each_bibtex_plugin_up_once(monkeypatch):
+    """build_book.cache_bibtex_plugin_lookups: the same plugin, from one reading of the entry
+    points."""
+    import build_book
+
+    calls, first, second = _counted_plugin_lookups(monkeypatch,
+                                                   build_book.cache_bibtex_plugin_lookups)
+    assert calls == 1 and first is second
+    assert first.__name__ == "Style" and first.__module__ == "pybtex.style.formatting.plain"
+
+
 def test_build_book_patches_only_when_run():
     """Importing tools/build_book.py changes nothing; its patches apply when it runs."""
     from sphinx.domains import Domain
@@ -258,6 +293,8 @@ def test_build_book_patches_only_when_run():
 
     assert ProofDomain.merge_domaindata is Domain.merge_domaindata
     assert type(ParallelTasks(1)._precvsWaiting) is dict
+    import pybtex.plugin
+    assert not hasattr(pybtex.plugin.entry_points, "cache_info")
 
 
 def test_readme_shows_one_measurement_of_make_bench_for_the_book_as_it_is():

@@ -122,6 +122,28 @@ def start_waiting_pages_in_order() -> None:
     ParallelTasks.__init__ = __init__
 
 
+def cache_bibtex_plugin_lookups() -> None:
+    """pybtex finds its plugins (the citation style, its labels, names and sorting) through
+    `entry_points(group=..., name=...)`, which reads the metadata of every installed
+    distribution, 17 ms here, and sphinxcontrib-bibtex asks again for every citation it
+    formats: about 500 lookups per build (each page's references, and their copies in the
+    chapter notebooks), some 9 s of the main process. The installed entry points do not change
+    during a build, so each lookup is made once (`register_plugin`'s plugins, which pybtex
+    looks up before the entry points, are unaffected). Upstream: a cached lookup in
+    `pybtex.plugin` (no issue filed there that we found)."""
+    import functools
+
+    import pybtex.plugin
+
+    lookup = pybtex.plugin.entry_points
+
+    @functools.lru_cache(maxsize=None)
+    def entry_points(**selection):
+        return tuple(lookup(**selection))
+
+    pybtex.plugin.entry_points = entry_points
+
+
 def skip_iri_parsers() -> None:
     """jsonschema, which nbformat imports (and myst-nb imports nbformat), imports
     rfc3987_syntax if it is installed, for an IRI format check that nothing here uses, and that
@@ -141,6 +163,7 @@ def patch(jobs: int) -> None:
     merge_proof_domain()
     one_page_per_chunk()
     start_waiting_pages_in_order()
+    cache_bibtex_plugin_lookups()
 
 
 if __name__ == "__main__":
