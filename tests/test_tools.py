@@ -282,6 +282,78 @@ def test_the_build_looks_each_bibtex_plugin_up_once(monkeypatch):
     assert first.__name__ == "Style" and first.__module__ == "pybtex.style.formatting.plain"
 
 
+EXERCISE_PAGE = """A page
+======
+
+.. exercise:: A question
+   :label: ex-a
+
+   Why?
+
+.. solution:: ex-a
+
+   Because.
+
+See :numref:`ex-a`.
+"""
+
+
+def _exercise_build(tmp_path, patch=None) -> tuple[dict, str]:
+    """A one-page Sphinx project with an exercise and its solution, built with
+    sphinx-exercise (after `patch` if given): (its registry as the environment pickled after
+    reading holds it, the page's HTML)."""
+    import pickle
+
+    from sphinx.application import Sphinx
+
+    source = tmp_path / "source"
+    source.mkdir()
+    (source / "conf.py").write_text('extensions = ["sphinx_exercise"]\nnumfig = True\n')
+    (source / "index.rst").write_text(EXERCISE_PAGE)
+    if patch:
+        patch()
+    app = Sphinx(str(source), str(source), str(tmp_path / "html"), str(tmp_path / "doctrees"),
+                 "html", status=None, warning=None, freshenv=True)
+    app.build()
+    html = (tmp_path / "html" / "index.html").read_text(encoding="utf-8")
+    with open(tmp_path / "doctrees" / "environment.pickle", "rb") as f:
+        registry = pickle.load(f).sphinx_exercise_registry
+    return registry, html[html.index('<div class="body"'):
+                                                  html.index('<div class="sphinxsidebar"')]
+
+
+def test_sphinx_exercise_still_keeps_whole_documents_in_its_registry(tmp_path, monkeypatch):
+    """build_book.detach_exercise_registry: sphinx-exercise's registry still holds nodes that
+    carry their page's document, which pickling the environment then copies."""
+    import sphinx_exercise
+
+    monkeypatch.setattr(sphinx_exercise, "setup", sphinx_exercise.setup)
+    registry, _ = _exercise_build(tmp_path)
+    assert any(entry["node"].document is not None for entry in registry.values()), (
+        "sphinx-exercise's registry holds no documents now: drop "
+        "build_book.detach_exercise_registry")
+
+
+def test_the_build_keeps_the_registry_without_documents_and_the_page_the_same(
+        tmp_path, monkeypatch):
+    """build_book.detach_exercise_registry: no registered node holds a document, and the page,
+    its exercise's number, its solution's title and the reference to it, is what
+    sphinx-exercise writes without the patch."""
+    import sphinx_exercise
+
+    import build_book
+
+    monkeypatch.setattr(sphinx_exercise, "setup", sphinx_exercise.setup)
+    (tmp_path / "plain").mkdir()
+    _, plain = _exercise_build(tmp_path / "plain")
+    (tmp_path / "patched").mkdir()
+    registry, patched = _exercise_build(tmp_path / "patched", build_book.detach_exercise_registry)
+    assert {entry["type"] for entry in registry.values()} == {"exercise", "solution"}
+    assert all(entry["node"].document is None for entry in registry.values())
+    assert patched == plain
+    assert "Exercise 1" in patched and "Solution to" in patched
+
+
 def test_build_book_patches_only_when_run():
     """Importing tools/build_book.py changes nothing; its patches apply when it runs."""
     from sphinx.domains import Domain

@@ -122,6 +122,37 @@ def start_waiting_pages_in_order() -> None:
     ParallelTasks.__init__ = __init__
 
 
+def _detach_registered_nodes(app, doctree) -> None:
+    """The registry's nodes of the page just read, as copies that hold no document."""
+    for entry in getattr(app.env, "sphinx_exercise_registry", {}).values():
+        if entry["docname"] == app.env.docname:
+            copy = entry["node"].deepcopy()
+            for node in copy.findall():
+                node._document = None  # the copy's parent is None already
+            entry["node"] = copy
+
+
+def detach_exercise_registry() -> None:
+    """sphinx-exercise keeps every exercise and solution node in `env.sphinx_exercise_registry`
+    with its `document`, so pickling the environment pickles every page's whole doctree with
+    it: 6.8 of the environment's 8.2 MB here. In a parallel build each process sends back the
+    whole environment it forked, registry included, and the main process unpickles it, so the
+    cost grows with every page read. Its post-transforms read the registry's nodes for their
+    labels, titles and types only, never their document, so the registry keeps a copy
+    without one. Upstream: sphinx-exercise storing the data it needs rather than the node (no
+    issue filed there that we found)."""
+    import sphinx_exercise
+
+    setup = sphinx_exercise.setup
+
+    def setup_with_detached_registry(app):
+        metadata = setup(app)
+        app.connect("doctree-read", _detach_registered_nodes)
+        return metadata
+
+    sphinx_exercise.setup = setup_with_detached_registry
+
+
 def cache_bibtex_plugin_lookups() -> None:
     """pybtex finds its plugins (the citation style, its labels, names and sorting) through
     `entry_points(group=..., name=...)`, which reads the metadata of every installed
@@ -164,6 +195,7 @@ def patch(jobs: int) -> None:
     one_page_per_chunk()
     start_waiting_pages_in_order()
     cache_bibtex_plugin_lookups()
+    detach_exercise_registry()
 
 
 if __name__ == "__main__":
