@@ -294,7 +294,7 @@ EXERCISE_PAGE = """A page
 
    Because.
 
-See :numref:`ex-a`, again :numref:`ex-a` and once more :numref:`ex-a`.
+See :numref:`ex-a`.
 """
 
 
@@ -352,57 +352,6 @@ def test_the_build_keeps_the_registry_without_documents_and_the_page_the_same(
     assert all(entry["node"].document is None for entry in registry.values())
     assert patched == plain
     assert "Exercise 1" in patched and "Solution to" in patched
-
-
-def _doctrees_read_for_numrefs(tmp_path, monkeypatch, patch=None) -> tuple[int, str]:
-    """(how many doctrees were unpickled while the references of EXERCISE_PAGE's three
-    {numref}s were resolved, the page's HTML), after `patch` if given."""
-    from sphinx.domains.std import StandardDomain
-    from sphinx.environment import BuildEnvironment
-
-    monkeypatch.setattr(StandardDomain, "_resolve_numref_xref",
-                        StandardDomain._resolve_numref_xref)
-    reads, resolving = [], []
-    get_doctree, resolve = BuildEnvironment.get_doctree, StandardDomain._resolve_numref_xref
-
-    def counted_get_doctree(self, docname):
-        if resolving:
-            reads.append(docname)
-        return get_doctree(self, docname)
-
-    def flagged_resolve(self, *args, **kwargs):
-        resolving.append(True)
-        try:
-            return resolve(self, *args, **kwargs)
-        finally:
-            resolving.pop()
-
-    monkeypatch.setattr(BuildEnvironment, "get_doctree", counted_get_doctree)
-    monkeypatch.setattr(StandardDomain, "_resolve_numref_xref", flagged_resolve)
-    _, html = _exercise_build(tmp_path, patch)
-    return len(reads), html
-
-
-def test_sphinx_still_unpickles_a_doctree_for_every_numref(tmp_path, monkeypatch):
-    """build_book.read_numref_targets_once: Sphinx still reads the target page's whole doctree
-    again for each {numref}."""
-    reads, _ = _doctrees_read_for_numrefs(tmp_path, monkeypatch)
-    assert reads == 3, ("Sphinx reads a numref's target once now: drop "
-                        "build_book.read_numref_targets_once")
-
-
-def test_the_build_reads_a_numref_target_once_and_writes_the_same_page(tmp_path, monkeypatch):
-    """build_book.read_numref_targets_once: one doctree read for three references to one page,
-    and the page as Sphinx writes it without the patch."""
-    import build_book
-
-    (tmp_path / "plain").mkdir()
-    _, plain = _doctrees_read_for_numrefs(tmp_path / "plain", monkeypatch)
-    (tmp_path / "patched").mkdir()
-    reads, patched = _doctrees_read_for_numrefs(tmp_path / "patched", monkeypatch,
-                                                build_book.read_numref_targets_once)
-    assert reads == 1 and patched == plain
-    assert patched.count("Exercise 1") >= 3
 
 
 def test_build_book_patches_only_when_run():

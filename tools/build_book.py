@@ -132,38 +132,6 @@ def _detach_registered_nodes(app, doctree) -> None:
             entry["node"] = copy
 
 
-def read_numref_targets_once() -> None:
-    """Sphinx resolves every {numref} by unpickling the whole doctree of the page that holds
-    the target (`env.get_doctree`), only to read one node's type and ids: about 140 references
-    here, each unpickling a chapter of up to 1 MB, in the main process, one after another,
-    while it prepares the pages to write. The doctree read for a lookup is kept, per page, for
-    as long as the pickled bytes it came from are the environment's, and is used for lookups
-    only: the pages written still get fresh doctrees. Upstream: a lighter lookup in
-    `StandardDomain._resolve_numref_xref` (no issue filed there that we found)."""
-    from sphinx.domains.std import StandardDomain
-
-    resolve = StandardDomain._resolve_numref_xref
-    read: dict = {}  # docname -> (the pickled bytes, the doctree unpickled from them)
-
-    def doctree_for_lookup(env, get_doctree, docname):
-        serialised = env._pickled_doctree_cache.get(docname)
-        kept = read.get(docname)
-        if serialised is None or kept is None or kept[0] is not serialised:
-            doctree = get_doctree(docname)  # fills env._pickled_doctree_cache
-            read[docname] = kept = (env._pickled_doctree_cache.get(docname), doctree)
-        return kept[1]
-
-    def _resolve_numref_xref(self, env, *args, **kwargs):
-        get_doctree = env.get_doctree
-        env.get_doctree = lambda docname: doctree_for_lookup(env, get_doctree, docname)
-        try:
-            return resolve(self, env, *args, **kwargs)
-        finally:
-            del env.get_doctree  # the method again
-
-    StandardDomain._resolve_numref_xref = _resolve_numref_xref
-
-
 def detach_exercise_registry() -> None:
     """sphinx-exercise keeps every exercise and solution node in `env.sphinx_exercise_registry`
     with its `document`, so pickling the environment pickles every page's whole doctree with
@@ -228,7 +196,6 @@ def patch(jobs: int) -> None:
     start_waiting_pages_in_order()
     cache_bibtex_plugin_lookups()
     detach_exercise_registry()
-    read_numref_targets_once()
 
 
 if __name__ == "__main__":
