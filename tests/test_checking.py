@@ -1063,9 +1063,18 @@ NOWHERE_ELSE = {C3, C13c}
 
 
 def _key(args, by_value=True) -> tuple:
-    """The arguments of a call, by value, or by their shapes and the other arguments."""
-    return tuple((tuple(a.shape), tuple(a.detach().flatten().tolist()) if by_value else None)
-                 if isinstance(a, torch.Tensor) else repr(a) for a in args)
+    """The arguments of a call, by value, or by their shapes and the other arguments; the
+    tensors in a dict, list or tuple (chapter 14's weights) too, without their repr (which
+    formats every number in Python, inside the check's recording: seconds per call)."""
+    def part(a):
+        if isinstance(a, torch.Tensor):
+            return tuple(a.shape), tuple(a.detach().flatten().tolist()) if by_value else None
+        if isinstance(a, dict):
+            return tuple((k, part(v)) for k, v in a.items())
+        if isinstance(a, (list, tuple)):
+            return type(a).__name__, tuple(part(v) for v in a)
+        return repr(a)
+    return tuple(part(a) for a in args)
 
 
 def known_arguments(check, by_value=True) -> set:
