@@ -21,6 +21,7 @@ written here.
 from __future__ import annotations
 
 import ast
+import functools
 import math
 from dataclasses import dataclass
 
@@ -3061,16 +3062,53 @@ SAME_VERDICT_CASES = [case for case in WRONG_CASES
 def test_a_whole_run_judges_each_case_as_grading_it_alone_does(check, fragment, replaces, fn,
                                                                 capsys):
     """A run of the whole check runs each case once, its runs also the look for forbidden
-    work; grading a case alone (nbgrader's test cells) runs every case once to look for it,
-    then the case. Both give every case the same verdict."""
+    work; grading a case alone in a process of its own (tools/isolated_grading.py, for
+    nbgrader) runs every case once to look for it, then the case (`Check._run`). Both give
+    every case the same verdict. (`Check.grade`, a test cell in the reader's notebook and the
+    catalogue's graded_points, takes each case's verdict from one whole run.)"""
     replace = _replacements(check, replaces, fn)
     with pytest.raises(AssertionError):
         call_check(check, replace)
     earned, printed = printed_verdicts(check, capsys.readouterr().out)
-    alone, graded = graded_points(check, replace)  # messages "<case>: <message>"
-    assert earned == alone and printed.keys() == graded.keys()
-    assert all(graded[title] == (None if message is None else f"{title}: {message}")
-               for title, message in printed.items()), (printed, graded)
+    graded_check = load_check(check)
+    functions = reference_functions(check)
+    functions.update(replace)
+    answer = tuple(functions.values())
+    alone = {}
+    for title in graded_check.cases:
+        graded_check._looked.clear()  # each case in a process of its own, as nbgrader grades
+        alone[title] = graded_check._run(title, answer)
+    assert alone == printed, (printed, alone)
+    points, graded = graded_points(check, replace)  # Check.grade, case by case
+    assert points == earned and all(
+        graded[title] == (None if message is None else f"{title}: {message}")
+        for title, message in printed.items()), (printed, graded)
+
+
+def test_grading_case_by_case_runs_each_case_once(capsys):
+    """A test cell per case (`Check.grade`) costs what one whole run costs: the cases run once
+    for the first cell, and the other cells read their verdicts; a function defined anew (its
+    cell run again) is run afresh."""
+    check = load_check(C5)
+    reference = reference_functions(C5)
+    name = REFERENCES[C5].functions[0]
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return reference[name](*args, **kwargs)
+
+    answer = {**reference, name: counted}
+    call_check(C5, {name: counted})
+    whole = len(calls)
+    calls.clear()
+    for title in check.cases:
+        check.grade(title, *answer.values())
+    assert len(calls) == whole > 0
+    calls.clear()
+    again = functools.wraps(counted)(lambda *args, **kwargs: counted(*args, **kwargs))
+    check.grade(next(iter(check.cases)), *{**answer, name: again}.values())
+    assert len(calls) == whole
 
 
 @pytest.mark.parametrize("check, fragment, replaces, fn", WRONG_CASES)
