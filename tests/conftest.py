@@ -24,17 +24,6 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups into the test ids
-def pytest_collection_modifyitems(config, items):
-    """Every book test in one xdist group, so that under `pytest -n N --dist loadgroup` (`make
-    test`) one worker runs them all, in order, around the one build of the session; the other
-    workers run the fast tests meanwhile, on the cores that the book's steps leave idle (the
-    build's serial writing, a last chapter alone, nbgrader's and the PDF's single processes)."""
-    for item in items:
-        if item.get_closest_marker("book"):
-            item.add_marker(pytest.mark.xdist_group("book"))
-
-
 # `make bench` sets BOOK_SUITE_TIMES to a file where the book tests' costly steps write how long
 # they took (the build, the browser visits, the notebooks alone, nbgrader, per chapter where
 # there are chapters): tools/bench.py prints them beside each test file's time.
