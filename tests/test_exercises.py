@@ -3062,8 +3062,8 @@ SAME_VERDICT_CASES = [case for case in WRONG_CASES
 def test_a_whole_run_judges_each_case_as_grading_it_alone_does(check, fragment, replaces, fn,
                                                                 capsys):
     """A run of the whole check runs each case once, its runs also the look for forbidden
-    work; grading a case alone in a process of its own (tools/isolated_grading.py, for
-    nbgrader) runs every case once to look for it, then the case (`Check._run`). Both give
+    work; grading the cases one by one in the grading process (tools/isolated_grading.py, for
+    nbgrader) runs every case once to look for it, then each case (`Check._run`). Both give
     every case the same verdict. (`Check.grade`, a test cell in the reader's notebook and the
     catalogue's graded_points, takes each case's verdict from one whole run.)"""
     replace = _replacements(check, replaces, fn)
@@ -3074,10 +3074,8 @@ def test_a_whole_run_judges_each_case_as_grading_it_alone_does(check, fragment, 
     functions = reference_functions(check)
     functions.update(replace)
     answer = tuple(functions.values())
-    alone = {}
-    for title in graded_check.cases:
-        graded_check._looked.clear()  # each case in a process of its own, as nbgrader grades
-        alone[title] = graded_check._run(title, answer)
+    graded_check._looked.clear()  # as in the grading process, which imports the check anew
+    alone = {title: graded_check._run(title, answer) for title in graded_check.cases}
     assert alone == printed, (printed, alone)
     points, graded = graded_points(check, replace)  # Check.grade, case by case
     assert points == earned and all(
