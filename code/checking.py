@@ -808,7 +808,6 @@ class Check:
         self.cases: dict[str, tuple[Callable, int, bool]] = {}
         self._unchanged = (unchanged,) if isinstance(unchanged, str) else tuple(unchanged)
         self._looked: dict = {}  # answer -> forbidden work found, or None (see forbidden_work)
-        self._verdicts: dict = {}  # answer -> {case: None or the message} (see grade)
 
     def case(self, title: str, points: int = 1, *, keeps_dtype: bool = False):
         """Register `function(*answer)` as the case `title`, worth `points`; `keeps_dtype`: the
@@ -998,28 +997,10 @@ class Check:
         if title not in self.cases:
             raise KeyError(f"{self.__name__} has no case {title!r}; its cases: "
                            + ", ".join(self.cases))
-        message = self._verdict(title, answer)
+        message = self._run(title, answer)
         if message is not None:
             raise AssertionError(f"{title}: {message}")
         print(f"{title}: passed")
-
-    def _verdict(self, title: str, answer: tuple[Callable, ...]) -> str | None:
-        """The case's verdict in a whole run of the check on these functions (`_run_all`),
-        made once and remembered for them: grading a check case by case, one test cell per
-        case, runs each case once, as a whole run does, instead of each case again after a
-        look at every case for forbidden work. New functions (a cell run again defines them
-        anew) are run afresh. (tools/isolated_grading.py grades each case with `_run`, which
-        gives the same verdicts: tests/test_exercises.py,
-        test_a_whole_run_judges_each_case_as_grading_it_alone_does.)"""
-        key = tuple(answer)
-        try:
-            return self._verdicts[key][title]
-        except Exception:  # noqa: BLE001 (not graded yet, or an answer that cannot be hashed)
-            pass
-        verdicts = self._run_all(answer)
-        with contextlib.suppress(Exception):
-            self._verdicts[key] = verdicts
-        return verdicts[title]
 
 
 # ---------------------------------------------------------------------------------------------

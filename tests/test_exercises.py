@@ -21,7 +21,6 @@ written here.
 from __future__ import annotations
 
 import ast
-import functools
 import math
 from dataclasses import dataclass
 
@@ -3020,18 +3019,19 @@ def test_check_says_the_stub_is_not_written_yet(check, function):
 
 
 def graded_points(check: str, replace: dict) -> tuple[int, dict[str, str | None]]:
-    """The points an nbgrader assignment gives: each case graded alone, as a test cell does."""
+    """The points an nbgrader assignment gives, each case graded alone as a test cell does
+    (messages as `Check.grade` raises them, "<case>: <message>"), read from one whole run of
+    the check: `Check._run_all` gives every case the verdict that grading it alone gives
+    (test_a_whole_run_judges_each_case_as_grading_it_alone_does), and runs each case once,
+    where grading the cases one by one runs each once more to look for forbidden work."""
     functions = reference_functions(check)
     functions.update(replace)
-    graded, earned, messages = load_check(check), 0, {}
-    for title, (_, points, _) in graded.cases.items():
-        try:
-            graded.grade(title, *functions.values())
-            earned += points
-            messages[title] = None
-        except AssertionError as err:
-            messages[title] = str(err)
-    return earned, messages
+    graded = load_check(check)
+    verdicts = graded._run_all(tuple(functions.values()))
+    earned = sum(points for title, (_, points, _) in graded.cases.items()
+                 if verdicts[title] is None)
+    return earned, {title: None if message is None else f"{title}: {message}"
+                    for title, message in verdicts.items()}
 
 
 def printed_verdicts(check: str, out: str) -> tuple[int, dict[str, str | None]]:
@@ -3062,10 +3062,11 @@ SAME_VERDICT_CASES = [case for case in WRONG_CASES
 def test_a_whole_run_judges_each_case_as_grading_it_alone_does(check, fragment, replaces, fn,
                                                                 capsys):
     """A run of the whole check runs each case once, its runs also the look for forbidden
-    work; grading the cases one by one in the grading process (tools/isolated_grading.py, for
-    nbgrader) runs every case once to look for it, then each case (`Check._run`). Both give
-    every case the same verdict. (`Check.grade`, a test cell in the reader's notebook and the
-    catalogue's graded_points, takes each case's verdict from one whole run.)"""
+    work; grading the cases one by one, as nbgrader's test cells do (`Check.grade`, and
+    `Check._run` in tools/isolated_grading.py's grading process, which imports the check once
+    per notebook), runs every case once to look for it, then each case. Both give every case
+    the same verdict and points, so the catalogue (graded_points) reads them from a whole
+    run."""
     replace = _replacements(check, replaces, fn)
     with pytest.raises(AssertionError):
         call_check(check, replace)
@@ -3073,40 +3074,17 @@ def test_a_whole_run_judges_each_case_as_grading_it_alone_does(check, fragment, 
     graded_check = load_check(check)
     functions = reference_functions(check)
     functions.update(replace)
-    answer = tuple(functions.values())
     graded_check._looked.clear()  # as in the grading process, which imports the check anew
-    alone = {title: graded_check._run(title, answer) for title in graded_check.cases}
-    assert alone == printed, (printed, alone)
-    points, graded = graded_points(check, replace)  # Check.grade, case by case
-    assert points == earned and all(
-        graded[title] == (None if message is None else f"{title}: {message}")
-        for title, message in printed.items()), (printed, graded)
-
-
-def test_grading_case_by_case_runs_each_case_once(capsys):
-    """A test cell per case (`Check.grade`) costs what one whole run costs: the cases run once
-    for the first cell, and the other cells read their verdicts; a function defined anew (its
-    cell run again) is run afresh."""
-    check = load_check(C5)
-    reference = reference_functions(C5)
-    name = REFERENCES[C5].functions[0]
-    calls = []
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return reference[name](*args, **kwargs)
-
-    answer = {**reference, name: counted}
-    call_check(C5, {name: counted})
-    whole = len(calls)
-    calls.clear()
-    for title in check.cases:
-        check.grade(title, *answer.values())
-    assert len(calls) == whole > 0
-    calls.clear()
-    again = functools.wraps(counted)(lambda *args, **kwargs: counted(*args, **kwargs))
-    check.grade(next(iter(check.cases)), *{**answer, name: again}.values())
-    assert len(calls) == whole
+    alone, points = {}, 0
+    for title, (_, worth, _) in graded_check.cases.items():  # as the test cells grade them
+        try:
+            graded_check.grade(title, *functions.values())
+            alone[title], points = None, points + worth
+        except AssertionError as err:
+            alone[title] = str(err)
+    assert points == earned and alone == {
+        title: None if message is None else f"{title}: {message}"
+        for title, message in printed.items()}, (printed, alone)
 
 
 @pytest.mark.parametrize("check, fragment, replaces, fn", WRONG_CASES)
@@ -3116,7 +3094,7 @@ def test_check_names_the_mistake_and_gives_part_of_the_points(check, fragment, r
     per case. Partial credit, read from those lines: a common mistake earns more than a blank
     and less than the answer; a forbidden call or a broken answer earns nothing, and the
     message says why. (nbgrader grades each case alone through `Check.grade`, which judges a
-    case as `Check.__call__` does; test_checking.py's catalogue grades that way.)"""
+    case as `Check.__call__` does: test_a_whole_run_judges_each_case_as_grading_it_alone_does.)"""
     with pytest.raises(AssertionError) as info:
         call_check(check, _replacements(check, replaces, fn))
     message = str(info.value)
