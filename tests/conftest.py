@@ -105,4 +105,3 @@ def site(build):
 
     with timed("every page in Chromium, one visit each"):
         return test_site.visit_site(build)
-
