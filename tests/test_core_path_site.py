@@ -51,19 +51,42 @@ def _parsed_article(path: pathlib.Path, mtime_ns: int):
     return soup.select_one("article.bd-article")
 
 
+def _not_prose(tag) -> bool:
+    """Code cells, display math, exercises and their solutions, the reading time, the deeper
+    badge, the closing exercises section, hidden toggles, scripts and styles."""
+    classes = tag.get("class") or ()
+    return (tag.name in ("pre", "script", "style")
+            or tag.name == "div" and any(c in classes for c in
+                                         ("cell", "math", "exercise", "solution", "toggle-hidden"))
+            or tag.name == "p" and "reading-time" in classes
+            or tag.name == "span" and "deeper-badge" in classes
+            or tag.name == "section" and tag.get("id") == "exercises")
+
+
 def prose_words(node) -> tuple[int, int]:
-    """(words of the prose, words of the core's prose) of an article element."""
-    node = copy.copy(node)
-    for skipped in node.select("div.cell, div.math, pre, div.exercise, div.solution, "
-                               "p.reading-time, span.deeper-badge, section#exercises, "
-                               "div.toggle-hidden, script, style"):
-        skipped.decompose()
-    for formula in node.select("span.math"):
-        formula.replace_with(" formula ")
-    whole = len(WORD.findall(node.get_text(" ")))
-    for deeper in node.select("section.deeper"):
-        deeper.decompose()
-    return whole, len(WORD.findall(node.get_text(" ")))
+    """(words of the prose, words of the core's prose) of an article element: its text as
+    get_text gives it, less what _not_prose names, each inline formula one word, and the core
+    without the sections marked deeper. One walk over the shared tree, which it leaves as it is
+    (a copy to cut from cost 0.5 s a chapter)."""
+    from bs4 import CData, NavigableString, Tag
+
+    whole = core = 0
+    todo = [(node, False)]
+    while todo:
+        element, deeper = todo.pop()
+        for child in element.children:
+            if isinstance(child, Tag):
+                classes = child.get("class") or ()
+                if _not_prose(child):
+                    continue
+                if child.name == "span" and "math" in classes:
+                    whole, core = whole + 1, core + (not deeper)  # " formula "
+                    continue
+                todo.append((child, deeper or child.name == "section" and "deeper" in classes))
+            elif type(child) in (NavigableString, CData):  # what get_text reads
+                words = len(WORD.findall(child))
+                whole, core = whole + words, core + (0 if deeper else words)
+    return whole, core
 
 
 def test_every_chapter_core_is_within_its_budget(build):
