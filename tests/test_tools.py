@@ -354,6 +354,74 @@ def test_the_build_keeps_the_registry_without_documents_and_the_page_the_same(
     assert "Exercise 1" in patched and "Solution to" in patched
 
 
+def _numref_build(tmp_path, patch=None) -> tuple[int, str]:
+    """A two-page Sphinx project whose second page refers three times, by number, to a figure
+    and a section of the first, built with the numrefs' doctree reads counted (after `patch`
+    if given): (how many times a doctree was unpickled for them, the second page's HTML)."""
+    from sphinx.application import Sphinx
+    from sphinx.environment import BuildEnvironment
+
+    source = tmp_path / "source"
+    source.mkdir()
+    (source / "conf.py").write_text("numfig = True\n")
+    (source / "index.rst").write_text(
+        "Index\n=====\n\n.. toctree::\n   :numbered:\n\n   a\n   b\n")
+    (source / "a.rst").write_text(
+        "A\n=\n\n.. _sec-a:\n\nPart\n----\n\n.. _fig-a:\n\n.. figure:: x.png\n\n   A caption.\n")
+    (source / "b.rst").write_text(
+        "B\n=\n\nSee :numref:`fig-a`, :numref:`Figure {number} <fig-a>` and :numref:`sec-a`.\n")
+    if patch:
+        patch()
+    reads = []
+    get_doctree = BuildEnvironment.get_doctree
+
+    def counted(env, docname):
+        import inspect
+        if any(frame.function == "_resolve_numref_xref" for frame in inspect.stack()[1:4]):
+            reads.append(docname)
+        return get_doctree(env, docname)
+
+    BuildEnvironment.get_doctree = counted
+    try:
+        app = Sphinx(str(source), str(source), str(tmp_path / "html"), str(tmp_path / "doctrees"),
+                     "html", status=None, warning=None, freshenv=True)
+        app.build()
+    finally:
+        BuildEnvironment.get_doctree = get_doctree
+    html = (tmp_path / "html" / "b.html").read_text(encoding="utf-8")
+    return len(reads), html[html.index('<div class="body"'):html.index('<div class="sphinxsidebar"')]
+
+
+def test_sphinx_still_unpickles_a_page_for_every_numref_to_it(tmp_path, monkeypatch):
+    """build_book.resolve_numrefs_from_one_copy_per_page: Sphinx still reads the target page's
+    doctree from its pickle for every numref."""
+    from sphinx.domains.std import StandardDomain
+
+    monkeypatch.setattr(StandardDomain, "_resolve_numref_xref", StandardDomain._resolve_numref_xref)
+    reads, _ = _numref_build(tmp_path)
+    assert reads == 3, ("Sphinx resolves a numref without unpickling its page for each now: "
+                        "drop build_book.resolve_numrefs_from_one_copy_per_page")
+
+
+def test_the_build_unpickles_a_page_once_for_its_numrefs_and_numbers_them_the_same(
+        tmp_path, monkeypatch):
+    """build_book.resolve_numrefs_from_one_copy_per_page: one read of the page for the three
+    numrefs, and the page that holds them is what Sphinx writes without the patch."""
+    from sphinx.domains.std import StandardDomain
+
+    import build_book
+
+    monkeypatch.setattr(StandardDomain, "_resolve_numref_xref", StandardDomain._resolve_numref_xref)
+    (tmp_path / "plain").mkdir()
+    _, plain = _numref_build(tmp_path / "plain")
+    (tmp_path / "patched").mkdir()
+    reads, patched = _numref_build(tmp_path / "patched",
+                                   build_book.resolve_numrefs_from_one_copy_per_page)
+    assert reads == 1
+    assert patched == plain
+    assert "Fig. 1.1" in patched and "Figure 1.1" in patched and "Section 1.1" in patched, patched
+
+
 def test_build_book_patches_only_when_run():
     """Importing tools/build_book.py changes nothing; its patches apply when it runs."""
     from sphinx.domains import Domain
@@ -367,6 +435,8 @@ def test_build_book_patches_only_when_run():
     assert type(ParallelTasks(1)._precvsWaiting) is dict
     import pybtex.plugin
     assert not hasattr(pybtex.plugin.entry_points, "cache_info")
+    from sphinx.domains.std import StandardDomain
+    assert StandardDomain._resolve_numref_xref.__module__ == "sphinx.domains.std"
 
 
 def test_readme_shows_one_measurement_of_make_bench_for_the_book_as_it_is():
