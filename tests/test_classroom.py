@@ -23,7 +23,7 @@ import pytest
 import chapter_structure as structure
 import classroom
 import explorable
-from conftest import execution_times, timed
+from conftest import timed
 
 ROOT = classroom.ROOT
 MD = classroom.numbered_chapters()
@@ -484,8 +484,16 @@ print({GLUED_MARK!r} + json.dumps({{name: get_ipython().display_formatter.format
 
 def run_alone(path: pathlib.Path, folder: pathlib.Path):
     """Execute the notebook at `path` alone in `folder`, as Colab would, on
-    OTHER_NUMERICAL_PATH; returns (the executed notebook, {name: glued value's plain text})."""
+    OTHER_NUMERICAL_PATH; returns (the executed notebook, {name: glued value's plain text}).
+
+    The kernel talks to this process over Unix sockets in a folder of its own, not over TCP:
+    these runs overlap the build and nbgrader's grading (tests/conftest.py,
+    `notebooks_alone`), whose kernels take TCP ports found free a moment before they bind them,
+    and a kernel of ours started at that moment could take one first."""
+    import tempfile
+
     from nbclient import NotebookClient
+    from traitlets.config import Config
 
     shutil.copy(path, folder / path.name)
     blocker = folder.parent / f"{path.stem}-no-myst-nb"
@@ -496,18 +504,39 @@ def run_alone(path: pathlib.Path, folder: pathlib.Path):
     env.pop(explorable.BOOK_HTML, None)  # as in Colab: explorable() shows the Altair chart
     notebook = read(folder / path.name)
     notebook.cells.append(nbformat.v4.new_code_cell(REPORT_GLUED))
-    for attempt in range(classroom.PORT_RACE_TRIES):
-        client = NotebookClient(notebook, timeout=300, kernel_name="python3",
+    # A short folder: a Unix socket's path may not pass 107 bytes.
+    with tempfile.TemporaryDirectory(prefix="kernel-") as sockets:
+        ipc = Config({"KernelManager": {"transport": "ipc",
+                                        "connection_file": os.path.join(sockets, "kernel.json")}})
+        client = NotebookClient(notebook, timeout=300, kernel_name="python3", config=ipc,
                                 resources={"metadata": {"path": str(folder)}})
-        try:
-            client.execute(env=env)  # raises CellExecutionError, with its traceback, on failure
-            break
-        except RuntimeError as err:  # the port race above; a failing cell is not retried
-            if "Kernel died before replying" not in str(err) or attempt == classroom.PORT_RACE_TRIES - 1:
-                raise
+        transports = []  # the started kernel's, as its manager knows it
+        client.on_notebook_start = lambda notebook: transports.append(client.km.transport)
+        client.execute(env=env)  # raises CellExecutionError, with its traceback, on failure
+    assert transports == ["ipc"], transports
     report = notebook.cells.pop()
     printed = "".join(o.get("text", "") for o in report.outputs)
     return notebook, json.loads(printed.split(GLUED_MARK, 1)[1])
+
+
+def code_size(path: pathlib.Path) -> int:
+    """Characters in the notebook's code cells: what executing it costs, roughly."""
+    return sum(len(c.source) for c in read(path).cells if c.cell_type == "code")
+
+
+def submit_alone_runs(pool: concurrent.futures.Executor, folder: pathlib.Path) -> dict:
+    """Every chapter notebook run alone (run_alone) in `pool`, the most code first so that the
+    last left are quick ones: {chapter: future of (notebook, glued, files left in its folder)}."""
+
+    def run(path):
+        work = folder / path.stem / "work"
+        work.mkdir(parents=True)
+        with timed("chapter executed alone, as in Colab", path.stem):
+            notebook, glued = run_alone(path, work)
+        return notebook, glued, sorted(p.name for p in work.iterdir())
+
+    return {path.stem: pool.submit(run, path)
+            for path in sorted(NOTEBOOKS, key=code_size, reverse=True)}
 
 
 def wall_clock_glue(cells) -> re.Pattern:
@@ -657,7 +686,7 @@ def explorable_spec(html: str) -> dict | None:
 
 
 @pytest.mark.book
-def test_every_notebook_runs_alone_as_in_colab_and_prints_what_the_book_shows(build, tmp_path):
+def test_every_notebook_runs_alone_as_in_colab_and_prints_what_the_book_shows(build, notebooks_alone):
     """Each committed notebook, alone in an empty folder without myst_nb, fetches attention.py
     and prints, cell for cell, what the book's build printed (cells tagged wall-clock time
     themselves and are left out). This is also the determinism check: two executions of every
@@ -665,19 +694,7 @@ def test_every_notebook_runs_alone_as_in_colab_and_prints_what_the_book_shows(bu
     from myst_nb.core.variables import format_plain_text
 
     _, _, out = build
-
-    def run(path):
-        folder = tmp_path / path.stem / "work"
-        folder.mkdir(parents=True)
-        with timed("chapter executed alone, as in Colab", path.stem):
-            notebook, glued = run_alone(path, folder)
-        return path.stem, (notebook, glued, sorted(p.name for p in folder.iterdir()))
-
-    # the slowest first (as the build measured them), so that the last left are quick ones
-    took = execution_times(out)
-    slowest_first = sorted(NOTEBOOKS, key=lambda path: -took.get(path.stem, 0.0))
-    with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        results = dict(pool.map(run, slowest_first))
+    results = notebooks_alone.results()
     differ = []
     for name, (notebook, glued, files) in results.items():
         assert "attention.py" in files, f"{name}: attention.py was not fetched"
