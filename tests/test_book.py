@@ -14,7 +14,7 @@ import nbformat
 import pytest
 
 import classroom
-from conftest import toc_docs
+from conftest import READ_DONE, toc_docs
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -29,6 +29,17 @@ def test_build_succeeds_without_warnings(build):
     assert returncode == 0, "book build failed:\n" + "\n".join(warnings[-40:] or log.splitlines()[-40:])
     assert warnings == []
     assert "build succeeded" in log
+
+
+def test_the_build_log_says_when_every_chapter_has_executed(build):
+    """conftest.build starts the notebooks alone when the build's log shows READ_DONE: Sphinx
+    logs it once, after the last page is read (so every chapter executed) and before it writes."""
+    _, log, _ = build
+    if not log:
+        pytest.skip("BOOK_REUSE_BUILD: no log")
+    executed = [m.end() for m in re.finditer(r"Executed notebook in", log)]
+    assert log.count(READ_DONE) == 1 and executed, log[-2000:]
+    assert max(executed) < log.index(READ_DONE) < log.rindex("writing output")
 
 
 def test_every_page_in_the_toc_is_built(build):
