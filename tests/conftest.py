@@ -92,9 +92,9 @@ def build_book(out: pathlib.Path, when_read=None):
     """
     cmd = [sys.executable, str(ROOT / "tools" / "build_book.py"), str(ROOT),
            "--path-output", str(out), "--all", "-W", "-n", "--keep-going"]
+    # Sphinx's log handler flushes after every record, so each line arrives as it is logged.
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            cwd=ROOT, env={**os.environ, "PYTHONHASHSEED": "0",
-                                           "PYTHONUNBUFFERED": "1"})
+                            cwd=ROOT, env={**os.environ, "PYTHONHASHSEED": "0"})
     errors: list[str] = []
     reader = threading.Thread(target=lambda: errors.extend(proc.stderr))
     reader.start()
