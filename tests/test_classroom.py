@@ -20,6 +20,7 @@ import threading
 import nbformat
 import pytest
 
+import build_book
 import chapter_structure as structure
 import classroom
 import explorable
@@ -519,11 +520,6 @@ def run_alone(path: pathlib.Path, folder: pathlib.Path):
     return notebook, json.loads(printed.split(GLUED_MARK, 1)[1])
 
 
-def code_size(path: pathlib.Path) -> int:
-    """Characters in the notebook's code cells: what executing it costs, roughly."""
-    return sum(len(c.source) for c in read(path).cells if c.cell_type == "code")
-
-
 def submit_alone_runs(pool: concurrent.futures.Executor, folder: pathlib.Path) -> dict:
     """Every chapter notebook run alone (run_alone) in `pool`, the most code first so that the
     last left are quick ones: {chapter: future of (notebook, glued, files left in its folder)}."""
@@ -536,7 +532,8 @@ def submit_alone_runs(pool: concurrent.futures.Executor, folder: pathlib.Path) -
         return notebook, glued, sorted(p.name for p in work.iterdir())
 
     return {path.stem: pool.submit(run, path)
-            for path in sorted(NOTEBOOKS, key=code_size, reverse=True)}
+            for path in sorted(NOTEBOOKS, key=lambda path: build_book.code_size(path.with_suffix(".md")),
+                               reverse=True)}
 
 
 def wall_clock_glue(cells) -> re.Pattern:

@@ -108,6 +108,9 @@ OPEN_STATE_JS = """id => { const el = document.getElementById(id);
 AXE_OPTIONS = "{preload: false, resultTypes: ['violations']}"
 COLOUR_RULES = ("color-contrast", "link-in-text-block")
 REPORTED_IMPACTS = ("serious", "critical")
+# The rules rated below every impact in `reported` (rules without an impact are kept).
+AXE_SKIPPED_JS = """reported => axe._audit.rules
+  .filter(rule => rule.impact && !reported.includes(rule.impact)).map(rule => rule.id)"""
 AXE_RUN_JS = """async rules => {
   // Let the dropdowns that keyboard_check opened finish fading in.
   await new Promise(resolve => requestAnimationFrame(resolve));
@@ -120,13 +123,12 @@ AXE_RUN_JS = """async rules => {
   const result = rules.only
     ? await axe.run({exclude: [['mjx-container']]}, {...options, runOnly: {type: 'rule', values: rules.only}})
     : await axe.run(document, {...options, rules: Object.fromEntries(rules.skip.concat(
-        axe._audit.rules.filter(rule => rule.impact && !rules.reported.includes(rule.impact))
-          .map(rule => rule.id)).map(id => [id, {enabled: false}]))});
+        (%s)(rules.reported)).map(id => [id, {enabled: false}]))});
   return result.violations
     .filter(v => rules.reported.includes(v.impact))
     .map(v => ({id: v.id, impact: v.impact, help: v.help,
                 nodes: v.nodes.slice(0, 5).map(n => n.target.join(' '))}));
-}""" % AXE_OPTIONS
+}""" % (AXE_OPTIONS, AXE_SKIPPED_JS)
 
 # Every distinct style of visible text on the page, with its contrast if below WCAG AA: the
 # text's colour (its alpha times every ancestor's opacity) over the background colours behind
@@ -715,8 +717,6 @@ def test_text_contrast_finds_faint_text_of_every_kind(tmp_path):
 
 
 AXE_FULL_RUN_JS = """async () => (await axe.run(document, %s)).violations.map(v => [v.id, v.impact])""" % AXE_OPTIONS
-AXE_SKIPPED_JS = """reported => axe._audit.rules
-  .filter(rule => rule.impact && !reported.includes(rule.impact)).map(rule => rule.id)"""
 
 
 def test_axe_skips_only_rules_that_cannot_fail_the_audit(tmp_path):

@@ -18,7 +18,21 @@ from __future__ import annotations
 
 import functools
 import os
+import pathlib
+import re
 import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def code_size(source: pathlib.Path) -> int:
+    """Characters in the code cells of a page's MyST source (0 if it has none or is not one):
+    what executing it costs, roughly."""
+    if not source.is_file():
+        return 0
+    cells = re.findall(r"^```\{code-cell\}[^\n]*\n(.*?)^```", source.read_text(encoding="utf-8"),
+                       re.S | re.M)
+    return sum(map(len, cells))
 
 
 def pass_jobs(jobs: int) -> None:
@@ -72,24 +86,11 @@ def one_page_per_chunk() -> None:
     process may have nothing more to take, are quick ones. Upstream: a work queue for parallel
     reading (sphinx-doc/sphinx#6330, pull request #13738) or a configurable batch size
     (sphinx-doc/sphinx#10967)."""
-    import pathlib
-    import re
-
     import sphinx.builders
 
-    root = pathlib.Path(__file__).resolve().parents[1]
-
-    def code_size(docname: str) -> int:
-        """Characters in the page's code cells: what executing it costs, roughly."""
-        source = root / f"{docname}.md"
-        if not source.is_file():
-            return 0
-        cells = re.findall(r"^```\{code-cell\}[^\n]*\n(.*?)^```", source.read_text(encoding="utf-8"),
-                           re.S | re.M)
-        return sum(map(len, cells))
-
     def make_chunks(docnames, nproc, maxbatch=10):
-        return [[docname] for docname in sorted(docnames, key=code_size, reverse=True)]
+        return [[docname] for docname in sorted(docnames, key=lambda doc: code_size(ROOT / f"{doc}.md"),
+                                                reverse=True)]
 
     sphinx.builders.make_chunks = make_chunks
 
