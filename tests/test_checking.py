@@ -1421,6 +1421,47 @@ def test_the_recording_restores_a_profile_function():
         sys.setprofile(previous)
 
 
+def test_what_an_answer_replaces_in_the_checks_or_their_comparisons_is_put_back_and_refused():
+    """In a reader's own kernel, an answer that replaces the check's helpers or PyTorch's
+    comparisons while it runs earns nothing, and finds them put back afterwards."""
+    allclose, same = torch.allclose, checking._same
+
+    def stable_softmax(scores, dim=-1):
+        torch.allclose = lambda *args, **kwargs: True
+        checking._same = lambda a, b: True
+        return torch.zeros_like(scores)
+
+    try:
+        earned, messages = graded_points(C4, {"stable_softmax": stable_softmax})
+        assert torch.allclose is allclose and checking._same is same
+    finally:
+        torch.allclose, checking._same = allclose, same
+    assert earned == 0, messages
+    assert all("was replaced, and is put back" in m for m in messages.values()), messages
+
+
+def test_the_checks_modules_are_found_after_any_change_to_sys_modules(monkeypatch):
+    """`_check_modules` scans sys.modules again only when its length or last name changed:
+    it still finds a module added, one added after another was removed (the same length), and
+    one put in place of another under the same name."""
+    found = [module.__name__ for module in checking._check_modules()]
+    assert "checking" in found and all(n.startswith("checks_") for n in found if n != "checking")
+    added = types.ModuleType("checks_zz_added")
+    monkeypatch.setitem(sys.modules, added.__name__, added)
+    assert added in checking._check_modules()
+    monkeypatch.setitem(sys.modules, "zz_filler", types.ModuleType("zz_filler"))
+    checking._check_modules()
+    length = len(sys.modules)
+    monkeypatch.delitem(sys.modules, "zz_filler")
+    swapped = types.ModuleType("checks_zz_swapped")
+    monkeypatch.setitem(sys.modules, swapped.__name__, swapped)
+    assert len(sys.modules) == length and swapped in checking._check_modules()
+    replaced = types.ModuleType(added.__name__)
+    monkeypatch.setitem(sys.modules, added.__name__, replaced)
+    now = checking._check_modules()
+    assert replaced in now and added not in now
+
+
 # ---------------------------------------------------------------------------------------------
 # The chapters' promises
 
