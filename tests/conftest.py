@@ -46,6 +46,7 @@ def pytest_collection_modifyitems(config, items):
         raise pytest.UsageError(f"tests marked book outside {BOOK_TEST_FILES}, which "
                                 f'`pytest -m "{BOOK_SUITE}"` alone collects: {elsewhere}; '
                                 "add their file to BOOK_TEST_FILES in tests/conftest.py")
+    visits_last(items)
 
 
 # `make bench` sets BOOK_SUITE_TIMES to a file where the book tests' costly steps write how long
@@ -187,11 +188,48 @@ def execution_times(build_dir: pathlib.Path) -> dict[str, float]:
             for doc, data in metadata.items() if data.get("exec_data")}
 
 
+# The files whose tests look at the built site. The visits of every page (the `site` fixture)
+# start with the first of their tests, and those that need no visit run first, beside them.
+SITE_TEST_FILES = ("test_core_path_site.py", "test_site.py")
+
+
+def visits_last(items: list) -> None:
+    """Put the site files' tests that do not use `site` (HTML crawls, the word counts, the PDF,
+    the pages without JavaScript: mostly one core's work) before those that do, so that they
+    run while the browser visits, started by the first of them (site_visits_started), keep
+    both cores busy; the other files' tests keep their order."""
+    places = [i for i, item in enumerate(items) if item.path.name in SITE_TEST_FILES]
+    ordered = sorted((items[i] for i in places), key=lambda item: "site" in item.fixturenames)
+    for i, item in zip(places, ordered):
+        items[i] = item
+
+
 @pytest.fixture(scope="session")
-def site(build):
-    """Every page of the build opened once in Chromium for every audit of tests/test_site.py
-    and tests/test_core_path_site.py: (html_dir, {page: report})."""
+def site_visits(build):
+    """The visits of every page (test_site.visit_site) as a Background, in a thread of their
+    own: started by the first test of SITE_TEST_FILES when the session has a test that needs
+    them (site_visits_started), awaited by `site`."""
     import test_site
 
-    with timed("every page in Chromium, one visit each"):
-        return test_site.visit_site(build)
+    def visit():
+        with timed("every page in Chromium, one visit each"):
+            return test_site.visit_site(build)
+
+    runs = Background(lambda pool: {"site": pool.submit(visit)})
+    yield runs
+    runs.close()
+
+
+@pytest.fixture
+def site_visits_started(request):
+    """Used by every test of SITE_TEST_FILES (their pytestmark): start the visits if a test of
+    the session needs them, and only then (a test that needs no build must not start one)."""
+    if any("site" in getattr(item, "fixturenames", ()) for item in request.session.items):
+        request.getfixturevalue("site_visits").start()
+
+
+@pytest.fixture(scope="session")
+def site(site_visits):
+    """Every page of the build opened once in Chromium for every audit of tests/test_site.py
+    and tests/test_core_path_site.py: (html_dir, {page: report})."""
+    return site_visits.results()["site"]

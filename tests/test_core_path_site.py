@@ -25,7 +25,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "_ext"))
 from core_path import exercise_paths  # noqa: E402  (the instructors' table, as the build reads it)
 
-pytestmark = pytest.mark.book
+# the browser visits start with this file's first test (tests/conftest.py)
+pytestmark = [pytest.mark.book, pytest.mark.usefixtures("site_visits_started")]
 
 CORE_WORDS = 2000  # at most, per chapter
 CORE_SHARE = 0.60  # of the chapter's prose, at most

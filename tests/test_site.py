@@ -28,7 +28,8 @@ import site_browser as sb
 import test_core_path_site as core_path
 from conftest import timed
 
-pytestmark = pytest.mark.book
+# the browser visits start with this file's first test (tests/conftest.py)
+pytestmark = [pytest.mark.book, pytest.mark.usefixtures("site_visits_started")]
 
 # --- in-page checks (JavaScript run by playwright) ---------------------------------------------
 

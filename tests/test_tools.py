@@ -481,3 +481,23 @@ def test_make_bench_replaces_only_its_own_block_of_readme():
     new = bench.with_table(readme, "| new | table |")
     assert new == f"intro\n{bench.README_START}\n\n| new | table |\n\n{bench.README_END}\nafter\n"
     assert bench.with_table(new, "| new | table |") == new
+
+
+def test_the_site_files_tests_that_need_no_visit_run_first_the_rest_in_place():
+    """conftest.visits_last: in the book run, the tests of the site's files that do not use the
+    `site` fixture run before those that do (beside the visits), each group in its own order;
+    the other files' tests keep their places."""
+    import types
+
+    from conftest import visits_last
+
+    def item(file, *fixtures):
+        return types.SimpleNamespace(path=pathlib.Path("tests", file), fixturenames=fixtures)
+
+    items = [item("test_book.py", "build"), item("test_core_path_site.py", "site"),
+             item("test_core_path_site.py", "build"), item("test_classroom.py"),
+             item("test_site.py", "site"), item("test_site.py", "build", "tmp_path"),
+             item("test_site.py")]
+    expected = [items[0], items[2], items[5], items[3], items[6], items[1], items[4]]
+    visits_last(items)
+    assert items == expected
