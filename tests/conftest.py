@@ -207,8 +207,8 @@ def visits_last(items: list) -> None:
 @pytest.fixture(scope="session")
 def site_visits(build):
     """The visits of every page (test_site.visit_site) as a Background, in a thread of their
-    own: started by the first test of SITE_TEST_FILES when the session has a test that needs
-    them (site_visits_started), awaited by `site`."""
+    own: started by ALONE_TEST or the first test of SITE_TEST_FILES when the session has a test
+    that needs them (site_visits_started), awaited by `site`."""
     import test_site
 
     def visit():
@@ -222,8 +222,10 @@ def site_visits(build):
 
 @pytest.fixture
 def site_visits_started(request):
-    """Used by every test of SITE_TEST_FILES (their pytestmark): start the visits if a test of
-    the session needs them, and only then (a test that needs no build must not start one)."""
+    """Used by every test of SITE_TEST_FILES (their pytestmark), and by the test that waits for
+    the notebooks alone (ALONE_TEST), whose last runs keep only one core busy: start the visits
+    if a test of the session needs them, and only then (a test that needs no build must not
+    start one)."""
     if any("site" in getattr(item, "fixturenames", ()) for item in request.session.items):
         request.getfixturevalue("site_visits").start()
 

@@ -683,6 +683,8 @@ def explorable_spec(html: str) -> dict | None:
 
 
 @pytest.mark.book
+# the browser visits start here: the last notebooks alone keep only one core busy
+@pytest.mark.usefixtures("site_visits_started")
 def test_every_notebook_runs_alone_as_in_colab_and_prints_what_the_book_shows(build, notebooks_alone):
     """Each committed notebook, alone in an empty folder without myst_nb, fetches attention.py
     and prints, cell for cell, what the book's build printed (cells tagged wall-clock time
