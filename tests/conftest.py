@@ -189,15 +189,16 @@ def execution_times(build_dir: pathlib.Path) -> dict[str, float]:
 
 
 # The files whose tests look at the built site. The visits of every page (the `site` fixture)
-# start with the first of their tests, and those that need no visit run first, beside them.
+# start before the first of their tests (site_visits_started), and those that need no visit
+# run first, beside them.
 SITE_TEST_FILES = ("test_core_path_site.py", "test_site.py")
 
 
 def visits_last(items: list) -> None:
     """Put the site files' tests that do not use `site` (HTML crawls, the word counts, the PDF,
     the pages without JavaScript: mostly one core's work) before those that do, so that they
-    run while the browser visits, started by the first of them (site_visits_started), keep
-    both cores busy; the other files' tests keep their order."""
+    run while the browser visits (site_visits_started) keep both cores busy; the other files'
+    tests keep their order."""
     places = [i for i, item in enumerate(items) if item.path.name in SITE_TEST_FILES]
     ordered = sorted((items[i] for i in places), key=lambda item: "site" in item.fixturenames)
     for i, item in zip(places, ordered):
