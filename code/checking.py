@@ -812,16 +812,21 @@ class Check:
     found by running the Answer objects; returns the message, or None. `prepare()`: run once
     before the first answer. `begin()`: run at the start of every whole run of the check (a
     check that keeps what one call of the answer returned, for all its cases, forgets it
-    there: a student's second run sees the answer as it is now)."""
+    there: a student's second run sees the answer as it is now). `answer_imports`: modules
+    that the answer's own process (isolated grading, tools/isolated_grading.py) imports before
+    the answer cells run, what `prepare` warms on the check's side: an optimizer's first
+    construction imports torch._dynamo, which the recording of the answer's call would slow
+    to several times its 3 s."""
 
     def __init__(self, name: str, rules: Iterable[Rule] = (), unchanged: str | tuple = (),
                  inspect: Callable | None = None, prepare: Callable | None = None,
-                 begin: Callable | None = None):
+                 begin: Callable | None = None, answer_imports: tuple[str, ...] = ()):
         self.__name__ = name
         self._begin = begin  # run at the start of every whole run (`__call__`)
         # run once, before the first answer: the first call of some PyTorch functions imports
         # modules, which under the recording (every Python call seen) takes three times as long
         self._prepare = prepare
+        self.answer_imports = tuple(answer_imports)
         self.module = sys._getframe(1).f_globals.get("__name__")  # where it is defined
         self.rules = tuple(rules)
         self._inspect = inspect

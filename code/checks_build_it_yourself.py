@@ -372,6 +372,11 @@ def _compare_training(fn, where, config, seed, n, text_seed=0):
                          f"lm.train's by up to {err:.3g}")
 
 
+# what an answer's first optimizer imports, imported in the answer's own process before it runs
+# (Check's answer_imports)
+OPTIMIZERS = ("torch._dynamo",)
+
+
 def _warm_training() -> None:
     """lm.train's steps once before any recording: AdamW's first step imports what later ones
     reuse (parts of torch._dynamo among them, which the recording would see as compiled code)."""
@@ -381,7 +386,7 @@ def _warm_training() -> None:
 
 
 check_train_steps = Check("check_train_steps", rules=_train_rules(), unchanged="one step",
-                          prepare=lambda: _warm_training())
+                          prepare=lambda: _warm_training(), answer_imports=OPTIMIZERS)
 
 
 @check_train_steps.case("shapes")
@@ -855,7 +860,8 @@ def capstone_measurement() -> dict | None:
 
 check_lm_capstone = Check("check_lm_capstone", rules=_capstone_rules(),
                           unchanged="weights under DecoderLM's names",
-                          prepare=lambda: _warm_capstone(), begin=lambda: _CAPSTONE.clear())
+                          prepare=lambda: _warm_capstone(), begin=lambda: _CAPSTONE.clear(),
+                          answer_imports=OPTIMIZERS)
 
 
 @check_lm_capstone.case("weights under DecoderLM's names")

@@ -492,12 +492,17 @@ def test_grading_started_beside_the_kernel_keeps_its_time_limit():
 def test_the_capstone_is_graded_on_the_chapters_text_shipped_with_the_course():
     """check_lm_capstone measures the answer's trained model on the held-out text: in the
     check's process the text comes with the course's files (data/, which `make assignments`
-    copies), the training text goes to the answer's process and the weights come back."""
+    copies), the training text goes to the answer's process and the weights come back. That
+    process has imported what a first optimizer imports (the check's answer_imports) before the
+    answer cells run, so that no answer's call imports it under the recording."""
     source = _d("""
         from torch import nn
         from transformer import TransformerBlock
 
+        IMPORTED_BEFORE = "_dynamo" in dir(torch)  # (sys.modules: the scan would flag it)
+
         def train_lm(train_tokens, n_vocab, seconds):
+            assert IMPORTED_BEFORE, "torch._dynamo was not imported before the answer cells"
             T, D = 16, 32
             model = nn.ModuleDict({
                 "embed": nn.Embedding(n_vocab, D), "position": nn.Embedding(T, D),
@@ -518,6 +523,9 @@ def test_the_capstone_is_graded_on_the_chapters_text_shipped_with_the_course():
     found = checking.find_check("check_lm_capstone")
     tests = [{"grade_id": title, "module": found.module, "check": found.__name__,
               "title": title, "names": ["train_lm"]} for title in found.cases]
+    assert grading.answer_imports(tests) == ["torch._dynamo"]
+    softmax = checking.find_check(CHECK)  # a check whose answers need no optimizer
+    assert grading.answer_imports([{"module": softmax.module, "check": CHECK}]) == []
     text = (ROOT / "data" / "shakespeare.txt").read_text(encoding="utf-8")
     job = {"files": {**CODE, "data/shakespeare.txt": text},
            "cells": [(0, PRELUDE, False, "imports-0"), (1, source, True, "answer cell train_lm")],

@@ -21,7 +21,9 @@ How a notebook is graded (`grade`):
    any of it is flagged to the instructor, by cell and reason, and the notebook's cases get no
    points: in the answer's process such code could edit the record of what ran.
 2. **The answer's process** (`serve_answers`) holds the book's modules and the recording of
-   checking.py, but no check: it runs the exercise's imports cell and the answer cells, then
+   checking.py, but no check: it imports what the checks name in `answer_imports` (what an
+   answer's first optimizer would otherwise import slowly under the recording), runs the
+   exercise's imports cell and the answer cells, then
    calls the answer's functions when asked, each call recorded (PyTorch's profiler, the Python
    calls, an audit hook for file descriptors and other processes), and sends back the results
    converted to plain tensors and numbers (deferred work, in a tensor subclass or a `__float__`,
@@ -47,6 +49,7 @@ import atexit
 import builtins
 import contextlib
 import functools
+import importlib
 import io
 import json
 import os
@@ -309,9 +312,11 @@ def serve_answers(workdir: str, read_fd: int, write_fd: int) -> None:
     checking._LIBRARY_DIRS += (str(pathlib.Path(__file__).resolve().parent),)
     channel = Channel(read_fd, write_fd, trusting=True)
     events: list[str] = []
+    cells, imports = channel.receive()
+    for module in imports:  # what the checks' answers would otherwise import recorded (slowly)
+        importlib.import_module(module)
     sys.addaudithook(_audit(events))
     namespace = {"__name__": "__main__", "__builtins__": builtins, "get_ipython": _NoShell}
-    cells = channel.receive()
     errors = []
     for index, source, *_ in cells:
         try:
@@ -401,7 +406,8 @@ def _answer_call(namespace: dict, request: tuple, slots: dict, events: list) -> 
 class AnswerProcess:
     """The answer's process, started from the check's: its cells sent, then its functions."""
 
-    def __init__(self, workdir: pathlib.Path, cells: list, timeout: float):
+    def __init__(self, workdir: pathlib.Path, cells: list, timeout: float,
+                 imports: list[str] = ()):
         check_read, answer_write = os.pipe()
         answer_read, check_write = os.pipe()
         self.log = open(workdir / "answer-process.log", "wb")  # noqa: SIM115 (closed in stop)
@@ -414,7 +420,7 @@ class AnswerProcess:
         self.channel = Channel(check_read, check_write, trusting=False)
         self.timeout, self.broken = timeout, None
         self.functions: dict[str, RemoteFunction | None] = {}
-        started = self.ask(cells, timeout=max(timeout, STARTUP_TIMEOUT))
+        started = self.ask((cells, list(imports)), timeout=max(timeout, STARTUP_TIMEOUT))
         names = {cell[0]: cell[3] for cell in cells}
         self.errors = {names.get(index, f"cell {index}"): f"{kind}: {message}"
                        for index, kind, message in started["errors"]}
@@ -737,13 +743,12 @@ def grade_notebook(job: dict) -> dict:
             (place / name).parent.mkdir(exist_ok=True)  # data/ too
             (place / name).write_text(text, encoding="utf-8")  # the answer's process: no check
     sys.path.insert(0, str(checks))
-    import importlib
-
     checking = importlib.import_module("checking")
     process = None
     try:
+        imports = answer_imports(job["tests"])
         try:
-            process = AnswerProcess(workdir, job["cells"], job["timeout"])
+            process = AnswerProcess(workdir, job["cells"], job["timeout"], imports)
         except AnswerStopped as err:
             message = f"your answer cells could not be run ({err})"
             return {"results": {t["grade_id"]: message for t in job["tests"]},
@@ -764,7 +769,7 @@ def grade_notebook(job: dict) -> dict:
                 continue
             if process.broken:  # a fresh process for the other functions
                 process.stop()
-                process = AnswerProcess(workdir, job["cells"], job["timeout"])
+                process = AnswerProcess(workdir, job["cells"], job["timeout"], imports)
             results[test["grade_id"]] = _grade_case(checking, process, test, errors)
             if process.broken:
                 stuck.update(dict.fromkeys(test["names"], process.broken))
@@ -776,11 +781,21 @@ def grade_notebook(job: dict) -> dict:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def answer_imports(tests: list[dict]) -> list[str]:
+    """The modules the checks of these test cells have the answer's process import before
+    the answer cells run (Check's answer_imports), so that no answer's call imports them under
+    the recording."""
+    return sorted({module for test in tests for module in _check_of(test).answer_imports})
+
+
+def _check_of(test: dict):
+    """The Check a test cell grades with (its module imported from the checks' folder)."""
+    return getattr(importlib.import_module(test["module"]), test["check"])
+
+
 def _grade_case(checking, process: AnswerProcess, test: dict, errors: dict) -> str | None:
     """None if the case passes, else the message (what Check.grade would raise)."""
-    import importlib
-
-    check = getattr(importlib.import_module(test["module"]), test["check"])
+    check = _check_of(test)
     title = test["title"]
     if title not in check.cases:
         return f"{check.__name__} has no case {title!r}"
