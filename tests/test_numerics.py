@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pathlib
 import re
+import subprocess
 
 import pytest
 import torch
@@ -147,7 +148,8 @@ def test_the_matrix_refuses_an_unknown_setting(capsys):
     assert "unknown setting(s) ['mkl-avx512']" in capsys.readouterr().err
 
 
-def test_the_matrix_runs_each_setting_chosen_with_the_arguments_passed(tmp_path, capsys):
+def test_the_matrix_runs_each_setting_chosen_with_the_arguments_passed(tmp_path, capsys,
+                                                                       monkeypatch):
     import test_matrix
     selected = ["tests/test_numerics.py", "-k", "assert_same_rejects_one_ulp"]
     assert test_matrix.main(["--settings", "native,mkl-compatible", "--logs", str(tmp_path),
@@ -157,7 +159,18 @@ def test_the_matrix_runs_each_setting_chosen_with_the_arguments_passed(tmp_path,
     assert lines[1].startswith("ok   native ") and "2 passed, 0 failed, 0 error" in lines[1]
     assert lines[2].startswith("ok   mkl-compatible  MKL_CBWR=COMPATIBLE")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mkl-compatible.log", "native.log"]
-    # nothing selected is a failure, not a pass
+    # nothing selected is a failure, not a pass: pytest's exit code 5, with its summary line
+    # (this run's pytest is pytest's own reply, without a third process to start)
+    started = []
+
+    def pytest_selecting_nothing(command, env, **kwargs):
+        started.append((command, env))
+        return subprocess.CompletedProcess(command, 5, "\n2950 deselected in 5.02s\n", "")
+
+    monkeypatch.setattr(test_matrix.subprocess, "run", pytest_selecting_nothing)
     assert test_matrix.main(["--settings", "omp-1", "--logs", str(tmp_path),
-                             "tests/test_numerics.py", "-k", "no_such_test"]) == 1
-    assert capsys.readouterr().out.splitlines()[1].startswith("FAIL omp-1 ")
+                             "-k", "no_such_test"]) == 1
+    line = capsys.readouterr().out.splitlines()[1]
+    assert line.startswith("FAIL omp-1 ") and "(pytest exit code 5)" in line, line
+    [(command, env)] = started
+    assert command[-2:] == ["-k", "no_such_test"] and env["OMP_NUM_THREADS"] == "1"
