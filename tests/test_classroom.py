@@ -411,7 +411,7 @@ def scores_by_check(course: pathlib.Path, name: str) -> dict[str, dict[str, floa
 # `make test` takes one chapter through every nbgrader step (one with exercises graded by hand); the
 # in-process tests (tests/test_exercises.py, tests/test_checking.py) grade every check of every
 # chapter against its catalogue. `make check-release` runs nbgrader on every other chapter.
-GRADED_IN_TEST = ("05-masking",)
+GRADED_IN_TEST = ("08-position",)
 
 
 def nbgrader_chapters():
@@ -454,6 +454,8 @@ def test_nbgrader_grades_reference_full_and_blank_below(graded, student, path):
     answers = [c for c in release.cells if c.metadata.get("nbgrader", {}).get("solution")]
     manual = [c for c in answers if c.metadata["nbgrader"]["grade"]]
     assert by_hand == sum(c.metadata["nbgrader"]["points"] for c in manual)
+    if path.stem in GRADED_IN_TEST:  # `make test`'s chapter shows the cells graded by hand
+        assert by_hand > 0, f"{path.stem} has no exercise graded by hand"
     for cell in manual:
         assert cell.source in (classroom.STUB_BODY, "YOUR ANSWER HERE"), cell.source
     released = [c.source for c in answers if not c.metadata["nbgrader"]["grade"]]
@@ -789,6 +791,8 @@ def test_nbgrader_gives_part_for_a_mistake_and_nothing_for_a_forbidden_call(grad
     points are what the in-process grading gives (part for a common mistake, nothing for a
     forbidden call), and the totals fall between the blank and the reference."""
     run = graded[path.stem]
+    if path.stem in GRADED_IN_TEST:  # `make test`'s chapter shows both
+        assert run["expected"]["part"] and run["expected"]["nothing"], run["expected"]
     by_check, full = run["by_check"], run["scores"]["reference"][1]
     for earns, expected in run["expected"].items():
         for check, points in expected.items():

@@ -158,7 +158,7 @@ def autograde_seconds() -> dict[str, float]:
     return times
 
 
-THROUGHPUT_CHAPTER = "05-masking"  # the chapter `make test` grades through nbgrader
+THROUGHPUT_CHAPTER = "08-position"  # GRADED_IN_TEST: the chapter `make test` grades with nbgrader
 THROUGHPUT_STUDENTS = 6
 THROUGHPUT_BUDGET = 1.6  # two workers grade at least 1.6 times as many students as one
 
