@@ -282,6 +282,9 @@ CONTROLS_JS = """id => [...document.getElementById(id).querySelectorAll(
     '.vega-bindings input, .vega-bindings select')].map((el, index) => ({
   index, tag: el.tagName.toLowerCase(), type: el.type,
   label: (el.closest('label') ? el.closest('label').textContent : '').trim(),
+  // at its last value, where the first of STEP_KEYS would change nothing
+  atEnd: el.type === 'range' ? Number(el.value) >= Number(el.max)
+         : el.tagName === 'SELECT' && el.selectedIndex === el.options.length - 1,
 }))"""
 
 CHART_JS = "id => document.getElementById(id).querySelector('.explorable-live svg').outerHTML"
@@ -296,7 +299,8 @@ SHOWN_JS = """() => [...document.querySelectorAll('div.explorable')].map(d => {
 })"""
 
 # Keys that move a control one step: a slider right (left when it starts at its maximum), a
-# drop-down to its next option, a check box or radio button toggled.
+# drop-down to its next option (its previous one from the last), a check box or radio button
+# toggled. A control at its end (CONTROLS_JS's atEnd) takes the second key first.
 STEP_KEYS = {"range": ["ArrowRight", "ArrowLeft"], "select-one": ["ArrowDown", "ArrowUp"],
              "checkbox": ["Space"], "radio": ["ArrowRight", "ArrowLeft"]}
 
@@ -344,7 +348,8 @@ def explorable_check(page) -> list[dict]:
             element = page.locator(f"#{fig} .vega-bindings").locator("input, select").nth(
                 control["index"])
             changed = False
-            for key in STEP_KEYS.get(control["type"], []):
+            keys = STEP_KEYS.get(control["type"], [])
+            for key in keys[::-1] if control["atEnd"] else keys:  # the step that can change it
                 before = page.evaluate(CHART_JS, fig)
                 element.focus()
                 page.keyboard.press(key)
@@ -398,8 +403,7 @@ def figure_contrast(page) -> list[str]:
     figures = page.locator(FIGURE_ELEMENTS)
     for index in range(figures.count()):
         element = figures.nth(index)
-        element.scroll_into_view_if_needed()
-        ok, how = readable(element.screenshot())
+        ok, how = readable(element.screenshot())  # (which scrolls the element into view)
         if not ok:
             src = element.get_attribute("src") or element.evaluate(
                 "e => e.closest('div.explorable').id")
@@ -411,10 +415,13 @@ WIDE = {"width": 1600, "height": 900}  # a wide screen, where the theme shows mo
 
 def keyboard_check(page) -> dict:
     """For every dropdown toggle, in page order: Tab from just before it must land on it (it is
-    in the Tab order), show a focus ring, open with Enter, close with Enter and open with Space.
-    Leaves every dropdown open, so that the accessibility audit sees the solutions too."""
+    in the Tab order), show a focus ring and open with Enter. The page's first toggle of each
+    kind (sphinx-togglebutton's button, a <details>' summary) also closes with Enter and opens
+    with Space: the others of its kind answer the keys with the same code, and each opening or
+    closing lays a long page out again. Leaves every dropdown open, so that the accessibility
+    audit sees the solutions too."""
     toggles = page.evaluate(TOGGLES_JS)
-    unreachable, problems = [], []
+    unreachable, problems, kinds = [], [], {}  # kinds: tag -> the toggle given every key
     for toggle in toggles:
         if not page.evaluate(TAB_START_JS, toggle):
             unreachable.append(toggle)  # not rendered: its container is closed or hidden
@@ -426,13 +433,17 @@ def keyboard_check(page) -> dict:
             continue
         if not page.evaluate(FOCUS_RING_JS, toggle):
             problems.append(f"{toggle}: no visible focus ring")
+        kind = page.evaluate("id => document.getElementById(id).tagName", toggle)
+        keys = ("Enter",) if kind in kinds else ("Enter", "Enter", "Space")
+        kinds.setdefault(kind, toggle)
         states = []
-        for key in ("Enter", "Enter", "Space"):
+        for key in keys:
             page.keyboard.press(key)
             states.append(page.evaluate(OPEN_STATE_JS, toggle))
-        if states != [True, False, True]:
-            problems.append(f"{toggle}: open after Enter, Enter, Space = {states}")
-    return {"toggles": len(toggles), "unreachable": unreachable, "problems": problems}
+        if states != [True, False, True][:len(keys)]:
+            problems.append(f"{toggle}: open after {', '.join(keys)} = {states}")
+    return {"toggles": len(toggles), "unreachable": unreachable, "problems": problems,
+            "every_key": kinds}
 
 
 # What the page loaded: its own address and every resource's, once MathJax has typeset it.
@@ -502,7 +513,8 @@ def visit(page, url: str, path: str, external: list, html_dir: pathlib.Path, axe
     report["chrome"][sb.PHONE["width"]] = page.evaluate(CHROME_JS)
     if path in core_path.chapter_pages(html_dir):  # last: it may open another chapter
         page.set_viewport_size(sb.DESKTOP)
-        report["core_switch"] = core_path.switch_check(page, url, path)
+        report["core_switch"] = core_path.switch_check(
+            page, url, path, printed=path == core_path.PRINTED_IN_TEST)
     report["seconds"] = time.perf_counter() - started
     return dict(report)
 
@@ -756,6 +768,9 @@ def test_keyboard_reaches_and_opens_every_dropdown(site):
     found = failures(with_toggles, lambda page, k: [f"Tab never reaches {t}" for t in k["unreachable"]]
                      + k["problems"])
     assert not found, format_failures(found)
+    # every key on both kinds of toggle, somewhere
+    assert {kind for k in with_toggles.values() for kind in k["every_key"]} == {
+        "BUTTON", "SUMMARY"}, {p: k["every_key"] for p, k in with_toggles.items()}
 
 
 def test_every_display_equation_fits_its_column_at_desktop_width(site):
