@@ -76,17 +76,23 @@ def test_the_json_names_the_weights_and_the_run(name):
     assert (FOLDER / f"{name}.pt").stat().st_size < 120_000  # small files only
 
 
+def in_test(names: list[str], kept) -> list:
+    """`names` as parameters: those in `kept` run in `make test`, the others are marked
+    `release` (`make check-release`, which the Pages workflow runs before publishing)."""
+    return [pytest.param(name, marks=() if name in kept else
+                         (pytest.mark.book, pytest.mark.release)) for name in names]
+
+
 def one_seed_per_config() -> list:
-    """The committed runs as parameters: `make test` retrains the first seed of each config, and
-    marks the others `release` (`make check-release`): a config's seeds take the same code's
-    path and differ only in the numbers drawn."""
+    """The committed runs as parameters: `make test` retrains the first seed of each config
+    (in_test): a config's seeds take the same code's path and differ only in the numbers
+    drawn."""
     first = {}
     for name in COMMITTED:
         config, seed = models.RUNS[name]
         if config not in first or seed < models.RUNS[first[config]][1]:
             first[config] = name
-    return [pytest.param(name, marks=() if name in first.values() else
-                         (pytest.mark.book, pytest.mark.release)) for name in COMMITTED]
+    return in_test(COMMITTED, set(first.values()))
 
 
 @pytest.mark.parametrize("name", one_seed_per_config())
@@ -127,12 +133,10 @@ LM_RETRAINED_STEPS = 10
 
 def traced_in_test(retraining: str):
     """The traced runs as parameters: `make test` retrains (or re-evaluates) the one that takes
-    its code's path (`retraining`) and marks the others `release` (`make check-release`, which
-    the Pages workflow runs before publishing): the three runs share `train(..., traced=True)`
-    and `trace`, and differ only in the windows they were trained on."""
-    return [pytest.param(name, marks=() if name == retraining else
-                         (pytest.mark.book, pytest.mark.release))
-            for name in LM_TRACED]
+    its code's path (`retraining`) and marks the others `release` (in_test): the three runs
+    share `train(..., traced=True)` and `trace`, and differ only in the windows they were
+    trained on."""
+    return in_test(LM_TRACED, {retraining})
 
 
 LM_ABLATED_WINDOWS = 16  # of the held-out text, on which every ablation is measured again
