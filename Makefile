@@ -10,6 +10,12 @@ STAMP  := $(VENV)/.installed
 PORT   ?= 8000
 COURSE ?= course
 
+# Python writes the bytecode of the project's own modules (code/, tools/, tests/, the last
+# rewritten by pytest) to __pycache__/, as it does by default: an environment that sets
+# PYTHONDONTWRITEBYTECODE would make each of the hundred-odd processes of `make test` (kernels,
+# grading processes, pytest workers) compile them again. site-packages is compiled at install.
+export PYTHONDONTWRITEBYTECODE :=
+
 # A strict, complete build: every page re-read (--all), warnings are errors (-W),
 # references nitpicky (-n), and all warnings reported before failing (--keep-going).
 JB_FLAGS := --all -W -n --keep-going
