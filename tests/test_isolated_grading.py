@@ -489,12 +489,16 @@ def test_grading_started_beside_the_kernel_keeps_its_time_limit():
     assert forgotten.verdict()["results"] != dict.fromkeys(found.cases)  # stopped, not graded
 
 
-def test_the_capstone_is_graded_on_the_chapters_text_shipped_with_the_course():
+def test_the_capstone_is_graded_on_the_chapters_text_shipped_with_the_course(monkeypatch):
     """check_lm_capstone measures the answer's trained model on the held-out text: in the
     check's process the text comes with the course's files (data/, which `make assignments`
     copies), the training text goes to the answer's process and the weights come back. That
     process has imported what a first optimizer imports (the check's answer_imports) before the
-    answer cells run, so that no answer's call imports it under the recording."""
+    answer cells run, so that no answer's call imports it under the recording. Its answer cell
+    imports a module of the book's code that nothing imported before, with Python writing
+    bytecode, as it does unless PYTHONDONTWRITEBYTECODE is set: that import is not taken for a
+    reach into the grading's channel."""
+    monkeypatch.delenv("PYTHONDONTWRITEBYTECODE", raising=False)
     source = _d("""
         from torch import nn
         from transformer import TransformerBlock

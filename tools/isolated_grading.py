@@ -315,6 +315,10 @@ def serve_answers(workdir: str, read_fd: int, write_fd: int) -> None:
     cells, imports = channel.receive()
     for module in imports:  # what the checks' answers would otherwise import recorded (slowly)
         importlib.import_module(module)
+    # A module that the answer's cells import first would have its bytecode written beside it,
+    # to a file that importlib opens by number: the hook would take that for the answer reaching
+    # a file descriptor. The answer's process writes no bytecode.
+    sys.dont_write_bytecode = True
     sys.addaudithook(_audit(events))
     namespace = {"__name__": "__main__", "__builtins__": builtins, "get_ipython": _NoShell}
     errors = []
