@@ -77,12 +77,12 @@ release autograde feedback: $(STAMP)
 grades: $(STAMP)
 	$(BIN)/python tools/classroom.py grades $(COURSE)
 
-# The trained runs that chapters 6 (Multi-head attention), 9 (Inference), 11 (The Transformer
-# block), 12 (Induction heads) and 13 (A language model on real text) load, trained again one
-# after another on one thread in float64 and written to models/lookups/, models/sinks/,
-# models/block/, models/induction/ and models/lm/ (committed): a state_dict and a JSON of its
-# config, log and SHA-256 per run, chapter 13's analysis of its held-out text and its byte-pair
-# tokenizer. README ("Trained models") says why they are trained here and not in the chapters;
+# The trained runs that chapters 6 (Multi-head attention), 8 (Position), 9 (Inference), 11 (The
+# Transformer block), 12 (Induction heads) and 13 (A language model on real text) load, trained
+# again one after another on one thread in float64 and written to models/lookups/,
+# models/position/, models/sinks/, models/block/, models/induction/ and models/lm/ (committed):
+# a state_dict and a JSON of its config, log and SHA-256 per run, chapter 13's analysis of its
+# held-out text and its byte-pair tokenizer. README ("Trained models") says why they are trained here and not in the chapters;
 # tests/test_models.py checks them against the book's code. About 30 minutes.
 models: $(STAMP)
 	$(BIN)/python tools/models.py

@@ -1,12 +1,16 @@
-"""`make models`: train the runs that the chapters "Multi-head attention", "The Transformer
-block", "Induction heads" and "A language model on real text" load, and write them.
+"""`make models`: train the runs that the chapters "Multi-head attention", "Position",
+"Inference", "The Transformer block", "Induction heads" and "A language model on real text"
+load, and write them.
 
-    python tools/models.py            every run of LOOKUP_RUNS, BLOCK_RUNS, RUNS, LM_RUNS,
-                                      LM_ANALYSES, LM_TRACES, LM_TOKENIZERS and LM_COMPARISON
+    python tools/models.py            every run of POSITION_RUNS, LOOKUP_RUNS, BLOCK_RUNS, RUNS,
+                                      LM_RUNS, LM_ANALYSES, LM_TRACES, SINK_RUNS, LM_TOKENIZERS
+                                      and LM_COMPARISON
     python tools/models.py NAME ...   only these
 
 Each run is `train(config, seed)` of code/induction.py (RUNS) or code/lm.py (LM_RUNS), or, for
 chapter "Multi-head attention" (LOOKUP_RUNS), `train(num_heads, seed)` of code/lookups.py, or,
+for chapter "Position" (POSITION_RUNS), `train(method, target=...)` of code/extrapolation.py
+(three seeds side by side), or,
 for chapter "The Transformer block" (BLOCK_RUNS), `train_reversal(config, seed)` or
 `measure_gradients(config)` of code/transformer.py, one after another on one thread, in
 float64; an analysis of LM_ANALYSES measures, from the committed weights of a run of LM_RUNS
@@ -19,7 +23,8 @@ SINK_RUNS, for chapter "Inference", is
 of LM_TOKENIZERS, for chapter 13, is SentencePiece's byte-pair tokenizer trained on the training
 text (`train_tokenizer` of code/lm.py), written as `<name>.model` and `<name>.json`, and a run
 of LM_COMPARISON is `train(config, seed, tokenizer=...)` on its tokens, or on characters. Each is
-written to models/induction/, models/lm/, models/lookups/, models/block/ or models/sinks/ as
+written to models/induction/, models/lm/, models/lookups/, models/position/, models/block/ or
+models/sinks/ as
 `<name>.pt` (the state_dict; for a measurement its numbers as tensors) and `<name>.json` (its
 config, seed and log, the torch version and the .pt's SHA-256), which are
 committed: the chapters load them instead of training in their cells (README says why), and
@@ -41,6 +46,7 @@ sys.path.insert(0, str(ROOT / "code"))
 
 import torch  # noqa: E402
 
+import extrapolation  # noqa: E402
 import lm  # noqa: E402
 import lookups  # noqa: E402
 import transformer  # noqa: E402
@@ -111,7 +117,10 @@ SINK_TEXT = dict(length=200_000, letters=16, reach=8, p_copy=0.8, seed=0)
 SINK_RUNS = {"recent-copies": (lm.Config(context=32, d_model=32, num_heads=2, d_ff=64,
                                          num_layers=2, steps=3000, warmup=30, eval_every=500),
                                0, SINK_TEXT)}
-ALL_RUNS = [*LOOKUP_RUNS, *BLOCK_RUNS, *RUNS, *LM_RUNS, *LM_ANALYSES,  # analyses after the
+# name -> (method, target): chapter 8's previous-token task, three seeds side by side per run
+POSITION_FOLDER = ROOT / extrapolation.MODELS
+POSITION_RUNS = extrapolation.RUNS
+ALL_RUNS = [*POSITION_RUNS, *LOOKUP_RUNS, *BLOCK_RUNS, *RUNS, *LM_RUNS, *LM_ANALYSES,  # analyses after the
             *LM_TRACES, *SINK_RUNS, *LM_TOKENIZERS, *LM_COMPARISON]  # runs they read
 
 
@@ -149,6 +158,9 @@ def main(argv=None) -> None:
         if name in LOOKUP_RUNS:
             train_lookups(name)
             continue
+        if name in POSITION_RUNS:
+            train_position_models(name)
+            continue
         config, seed = RUNS[name]
         start = time.process_time()
         model, log = train(config, seed)
@@ -168,6 +180,8 @@ def folder_of(name: str) -> pathlib.Path:
         return LM_FOLDER
     if name in LOOKUP_RUNS:
         return LOOKUP_FOLDER
+    if name in POSITION_RUNS:
+        return POSITION_FOLDER
     if name in SINK_RUNS:
         return SINK_FOLDER
     return BLOCK_FOLDER if name in BLOCK_RUNS else FOLDER
@@ -184,6 +198,20 @@ def train_lookups(name: str) -> None:
                      cpu_seconds=seconds)
     print(f"{name}: {seconds:.1f} s of CPU, mean loss of the last 10 steps "
           f"{sum(losses[-10:]) / 10:.4f}, evaluation loss {log['eval_loss']:.4f}", flush=True)
+
+
+def train_position_models(name: str) -> None:
+    """Chapter 8's run ``name``: one method's three seeds trained side by side on one target."""
+    method, target = POSITION_RUNS[name]
+    start = time.process_time()
+    model, losses = extrapolation.train(method, target=extrapolation.TARGETS[target])
+    seconds = round(time.process_time() - start, 1)
+    seen, unseen = extrapolation.accuracy(model, extrapolation.TARGETS[target])
+    log = {"loss": losses, "seen": seen.tolist(), "unseen": unseen.tolist()}
+    extrapolation.save_run(POSITION_FOLDER, name, method, target, extrapolation.STEPS, model, log,
+                           cpu_seconds=seconds)
+    print(f"{name}: {seconds:.1f} s of CPU, accuracy at positions 1-15 "
+          f"{float(seen.mean()):.3f}, at 16-31 {float(unseen.mean()):.3f}", flush=True)
 
 
 def run_block_experiment(name: str) -> None:
