@@ -12,8 +12,8 @@ COURSE ?= course
 
 # Python writes the bytecode of the project's own modules (code/, tools/, tests/, the last
 # rewritten by pytest) to __pycache__/, as it does by default: an environment that sets
-# PYTHONDONTWRITEBYTECODE would make each of the hundred-odd processes of `make test` (kernels,
-# grading processes, pytest workers) compile them again. site-packages is compiled at install.
+# PYTHONDONTWRITEBYTECODE would make every process of `make test` (kernels, grading processes,
+# pytest and its workers) compile them again. site-packages is compiled at install.
 export PYTHONDONTWRITEBYTECODE :=
 
 # A strict, complete build: every page re-read (--all), warnings are errors (-W),

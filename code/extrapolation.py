@@ -103,8 +103,8 @@ TARGETS = {"previous": previous_token, "first": first_token}
 
 def train(method, steps=STEPS, batch=32, target=previous_token, T=T_TRAIN,
           model=None) -> tuple[CopyPrevious, list[float]]:
-    """The models after ``steps`` Adam steps (from ``model``, else fresh ones) and the loss of
-    every step, the mean of the seeds' cross-entropies."""
+    """The models after ``steps`` Adam steps (from ``model``, else fresh ones)
+    and the loss of every step, the mean of the seeds' cross-entropies."""
     model = CopyPrevious(method) if model is None else model
     data = torch.Generator().manual_seed(100)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
