@@ -82,8 +82,9 @@ grades: $(STAMP)
 # again one after another on one thread in float64 and written to models/lookups/,
 # models/position/, models/sinks/, models/block/, models/induction/ and models/lm/ (committed):
 # a state_dict and a JSON of its config, log and SHA-256 per run, chapter 13's analysis of its
-# held-out text and its byte-pair tokenizer. README ("Trained models") says why they are trained here and not in the chapters;
-# tests/test_models.py checks them against the book's code. About 30 minutes.
+# held-out text and its byte-pair tokenizer. README ("Trained models") says why they are
+# trained here and not in the chapters; tests/test_models.py checks them against the book's
+# code. About 30 minutes.
 models: $(STAMP)
 	$(BIN)/python tools/models.py
 

@@ -469,7 +469,7 @@ def test_a_lookup_runs_weights_give_its_evaluation_loss(name):
     assert abs(lookups.evaluation_loss(run.model) - run.log["eval_loss"]) <= TOLERANCE
 
 
-# --- the train-short, test-long task of chapter 8 (models/position/) ------------------------------
+# --- the train-short, test-long task of chapter 8 (models/position/) ---------------------------
 
 import extrapolation  # noqa: E402
 

@@ -30,10 +30,10 @@ CHAPTER_DOC = re.compile(r"chapters/\d\d-[\w-]+$")  # a numbered chapter's docna
 
 # The book's code, every file of code/, in the order a notebook imports it: the module, the
 # stored runs' loader, chapter 6's two-lookup task, chapter 8's position code and its
-# train-short, test-long task, the module's siblings of Part III (which may import it), the diagrams (drawn from all of them), Part IV's
-# induction heads (which fetches trained models from beside the code), the explorable
-# figures' helper, the checks' machinery, and each chapter's checks (checks_<chapter>.py,
-# which import all of those).
+# train-short, test-long task, the module's siblings of Part III (which may import it), the
+# diagrams (drawn from all of them), Part IV's induction heads (which fetches trained models
+# from beside the code), the explorable figures' helper, the checks' machinery, and each
+# chapter's checks (checks_<chapter>.py, which import all of those).
 # In the order of their imports: a module comes after those it imports (the setup cell imports
 # them one by one, fetching each that is missing).
 TEACHING_FILES = ("attention.py", "stored.py", "lookups.py", "position.py", "extrapolation.py",

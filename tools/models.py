@@ -120,8 +120,9 @@ SINK_RUNS = {"recent-copies": (lm.Config(context=32, d_model=32, num_heads=2, d_
 # name -> (method, target): chapter 8's previous-token task, three seeds side by side per run
 POSITION_FOLDER = ROOT / extrapolation.MODELS
 POSITION_RUNS = extrapolation.RUNS
-ALL_RUNS = [*POSITION_RUNS, *LOOKUP_RUNS, *BLOCK_RUNS, *RUNS, *LM_RUNS, *LM_ANALYSES,  # analyses after the
-            *LM_TRACES, *SINK_RUNS, *LM_TOKENIZERS, *LM_COMPARISON]  # runs they read
+ALL_RUNS = [*POSITION_RUNS, *LOOKUP_RUNS, *BLOCK_RUNS, *RUNS, *LM_RUNS,
+            *LM_ANALYSES, *LM_TRACES,  # the analyses after the runs they read
+            *SINK_RUNS, *LM_TOKENIZERS, *LM_COMPARISON]
 
 
 def main(argv=None) -> None:
