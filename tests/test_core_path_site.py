@@ -212,11 +212,11 @@ PRINTED_IN_TEST = SWITCH_ACROSS_PAGES
 
 
 def switch_check(page, url: str, path: str, printed: bool = True) -> dict:
-    """On a chapter page already open at desktop width (the last step of the site's one visit
-    per page, tests/test_site.py): turn the switch on by keyboard, look, print (if `printed`),
-    and turn it off again with Space. On SWITCH_ACROSS_PAGES it also opens another chapter in
-    between, where the switch must still be on (the browser context keeps local storage
-    between pages)."""
+    """On a chapter page already open at desktop width (a step of the site's one visit per page,
+    tests/test_site.py, the last on SWITCH_ACROSS_PAGES): turn the switch on by keyboard, look,
+    print (if `printed`), and turn it off again with Space. On SWITCH_ACROSS_PAGES it also opens
+    another chapter in between, where the switch must still be on (the browser context keeps
+    local storage between pages)."""
     page.evaluate("() => scrollTo(0, 0)")
     report = {"off": page.evaluate(STATE_JS)}
     page.focus(".core-path-button")
