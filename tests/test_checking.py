@@ -155,6 +155,13 @@ def _refs_softmax(z, dim):
     return torch._refs.softmax(z, dim)
 
 
+# torch._refs' first call imports torch._dynamo and sympy. Under the recording, which sees every
+# Python call, that import took 9 s of the first test to call it in each process, against 2 s
+# outside. A process of the suite imports them anyway, unrecorded, once it runs a check that
+# trains (its `prepare` steps an optimizer, which imports them): here, once, unrecorded.
+_refs_softmax(torch.zeros(2), 0)
+
+
 def _decomposed_softmax(z, dim):
     from torch._decomp import decompositions
     return decompositions._softmax(z, dim, False)
