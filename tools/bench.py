@@ -3,7 +3,8 @@
     python tools/bench.py [--skip-build] [--skip-suite] [--skip-autograde]
 
 Measures, on this machine, in one run:
-- the floor: the fastest of five warm `import torch, matplotlib.pyplot`; the budgets are in
+- the floor: the fastest of five warm `import torch, matplotlib.pyplot`, read at the start,
+  after the clean build and after `make test`, the least reading counting; the budgets are in
   floors, so that they mean the same on a faster or slower machine;
 - the clean build (every cell executed, as `make book`) and a no-op rebuild, against 58 floors;
 - each chapter's execution time (recorded by myst-nb during the clean build), against 10 floors;
@@ -272,9 +273,10 @@ def main() -> None:
     args = parser.parse_args()
 
     lines = [heading(), ""]
-    floor = import_floor()
-    lines += [f"The floor, the fastest of five warm `import torch, matplotlib.pyplot`, is "
-              f"{floor:.2f} s here; budgets are in floors.", ""]
+    # The floor is read before the build, after it and after `make test` (on a shared machine it
+    # read 3.1 s and 4.3 s on one day), and the fastest reading counts: a busy moment at the
+    # start cannot make a budget look met.
+    readings = [import_floor()]
     chapters: dict[str, float] = {}
     if not args.skip_build:
         out = pathlib.Path(tempfile.mkdtemp(prefix="bench-"))
@@ -283,6 +285,16 @@ def main() -> None:
             site = site_size(out / "_build" / "html")
         finally:
             shutil.rmtree(out, ignore_errors=True)
+        readings.append(import_floor())
+    if not args.skip_suite:
+        walls, files, steps = suite_times()
+        readings.append(import_floor())
+    floor = min(readings)
+    lines += [f"The floor, the fastest of five warm `import torch, matplotlib.pyplot`, is "
+              f"{floor:.2f} s here, the least of its readings at the start, after the clean "
+              "build and after `make test`, whichever ran ("
+              f"{', '.join(f'{r:.2f}' for r in readings)} s); budgets are in floors.", ""]
+    if not args.skip_build:
         executed = sum(chapters.values())
         lines += [
             "| build | seconds | floors |", "| --- | ---: | ---: |",
@@ -309,7 +321,6 @@ def main() -> None:
             "",
         ]
     if not args.skip_suite:
-        walls, files, steps = suite_times()
         total = sum(walls.values())
         lines += [
             "| `make test` | seconds | floors |", "| --- | ---: | ---: |",
