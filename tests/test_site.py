@@ -407,16 +407,18 @@ def readable(png: bytes) -> tuple[bool, str]:
 # canvas of its size over the backdrop behind it (BACKDROP_JS), with its own background, filter
 # and opacity as the page gives them, and returned as a PNG (data: URL). What styles alone cannot
 # show is left to a screenshot (null): a drawn chart (inline SVG, styled by the page's CSS), an
-# image over a background image or blended into what is below it. Painting took about a tenth
-# of a screenshot's time (2.6 s against 20 s for the book's 71 images), which must scroll to the
-# figure and paint the page around it. On every page of the book, in both themes, the two gave
-# the same verdicts (readable) and shares of contrasting pixels within 7 points of each other;
-# test_a_painted_figure_reads_as_its_screenshot compares them on figures made to fail.
+# image over a background image or blended into what is below it, an image not laid out.
+# Painting took about a tenth of a screenshot's time (2.6 s against 20 s for the book's 69
+# images), which must scroll to the figure and paint the page around it. On every page of the
+# book, in both themes, the two gave the same verdicts (readable) and shares of contrasting
+# pixels within 7 points of each other; test_a_painted_figure_reads_as_its_screenshot compares
+# them on figures made to fail.
 FIGURE_PIXELS_JS = r"""async selector => {""" + BACKDROP_JS + r"""
   const drawn = [];
   for (const el of document.querySelectorAll(selector)) {
     const style = getComputedStyle(el), back = backdrop(el.parentElement);
-    if (el.tagName !== 'IMG' || back.image || style.mixBlendMode !== 'normal') {
+    if (el.tagName !== 'IMG' || back.image || style.mixBlendMode !== 'normal' ||
+        !el.clientWidth || !el.clientHeight) {  // (not laid out: the screenshot says why)
       drawn.push(null);
       continue;
     }
